@@ -569,16 +569,19 @@ def _scale_up_choice(tick: _Tick, need: _Need) -> tuple[str, int, bool] | None:
 def _scale_up(
     tick: _Tick, capped: tuple[str, str, int] | None
 ) -> tuple[bool, tuple[str, str, int] | None]:
-    """Rule 2: the first model that needs capacity gets its choice of instances (at most one
-    scaling action a tick), or a ``infaas_budget_capped`` when nothing fits (said once until
-    what is capped changes or no model needs capacity: a shortage that comes back is said
-    again, where an hour later it had been said by nothing). Returns (whether it scaled up, the
-    cap last said)."""
+    """Rule 2: the first model that needs capacity and can have it gets its choice of
+    instances (at most one scaling action a tick); one for which nothing fits gets an
+    ``infaas_budget_capped`` (said once until what is capped changes or no model needs
+    capacity: a shortage that comes back is said again, where an hour later it had been said by
+    nothing), and the next model is asked (where the first was, say, at its GPU's cap, a second
+    whose CPU fits was never scaled). Returns (whether it scaled up, the cap last said)."""
     ctx = tick.ctx
+    short = False
     for m in tick.models:
         need = _need(tick, m)
         if need is None:
             continue
+        short = True
         wanted = dict(tick.fleet)
         taken = tick.take_back()
         cost_now = tick.cost_usd_per_hr()
@@ -608,11 +611,11 @@ def _scale_up(
                         },
                     )
                 )
-            return False, capped
+            continue
         t, delta, covered = choice
         numbers = _add_instances(tick, need, t, delta, cost_now, taken)
         if covered:
-            return True, None
+            return True, capped if capped is not None and capped[0] != m else None
         tick.decisions.append(
             ScalingDecision(
                 "infaas_budget_capped",
@@ -626,7 +629,7 @@ def _scale_up(
         )
         return True, (m, t, delta)
     # No model needs capacity: the cap said has ended.
-    return False, None
+    return False, capped if short else None
 
 
 def _what_allows(tick: _Tick, t: str, delta: int) -> str:

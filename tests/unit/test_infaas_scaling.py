@@ -192,6 +192,35 @@ def test_an_underused_instance_is_drained_after_the_hold_the_dearest_first() -> 
     assert drain.numbers["underused_s"] == 5.0
 
 
+def test_a_model_nothing_fits_for_does_not_hold_back_the_next() -> None:
+    """Model a serves only on the gpu (its cpu variant misses the SLO), at its cap; model b is
+    short and a cpu for it fits the budget. The scaler stopped at a (first by name) with its
+    cap, every tick, and b was never scaled: a is capped, said once, and b is replicated."""
+    variants = [
+        VariantProfile("a", "gpu", 100.0, 60.0),
+        VariantProfile("a", "cpu", 0.0, 30.0),
+        VariantProfile("b", "gpu", 100.0, 60.0),
+        VariantProfile("b", "cpu", 10.0, 30.0),
+    ]
+    both = {"a": "active", "b": "active"}
+    fleet = [ServedInstance("g-1", "gpu", both, 0.9), ServedInstance("c-1", "cpu", both, 0.9)]  # type: ignore[arg-type]
+
+    def tick(now: float) -> ScalingContext:
+        loads = {"a": 90.0, "b": 95.0}  # over U x 100 and U x 110
+        return ScalingContext("x", now, loads, fleet, variants, PRICES, 2.0, max_counts={"gpu": 1})
+
+    decisions, state = decide(tick(10.0), initial_state({"gpu": 1, "cpu": 1}, 0.0))
+    assert [(d.action, d.model) for d in decisions] == [
+        ("infaas_budget_capped", "a"),
+        ("infaas_replicate", "b"),
+    ], [d.reason for d in decisions]
+    assert "max_counts allows no more (gpu 1 of 1" in decisions[0].reason
+    assert decisions[1].instance_type == "cpu" and state.fleet["cpu"] > 1
+    # The next tick, b's cpus still loading: a's cap is not said again.
+    again, _ = decide(tick(11.0), state)
+    assert [d.action for d in again] == []
+
+
 def test_a_load_at_the_threshold_does_not_drain_and_replicate_in_turn() -> None:
     """Two cpus (Q 10) while the load moves between 7.9 and 8.1 qps every 20 s: a drain judged
     at U (one cpu carries 7.9 at 0.8) was bought back by 8.1 four seconds later, every hold.
