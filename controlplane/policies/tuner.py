@@ -804,12 +804,38 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
     bottleneck where it is. Ties: the dearer, then the stage with most of the type, then by
     name; booting instances of a type go first. Each stage keeps ``max(1, min_instances)``, as
     the drain keeps a stage's last instance; the planned mix's one instance of each type is not
-    kept here (the limits are hard). True when something stopped."""
+    kept here (the limits are hard). Over the budget, an instance that no fleet within it can
+    keep (with its stage's floor) goes first, then one whose loss leaves a fleet that can still
+    be shed within it (a stage the sizing model moved to a dearer type kept that type and lost
+    the cheap instances that fitted, or all but one of them). A stage at its floor whose
+    instances alone are over the budget trades its dearest for one of its cheapest planned
+    type (the serving floor a budget cut is held to, docs/operations.md): kept, the reconciler's
+    budget guard drained it and the tuner never bought anything back. True when something
+    changed."""
     config, prices = tick.config, tick.config.prices_usd_per_hr
+    budget = config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR
 
     def reach(plan: TunerStage, fleet: Mapping[str, int]) -> float:
         share = plan.scale_factor
         return math.inf if share <= 0.0 else plan.capacity_qps(fleet) / share
+
+    def floor_cost(stage: str, fleet: Mapping[str, int], keeping: str | None = None) -> float:
+        """The least the app's fleet costs shed, ``stage``'s being ``fleet``: each stage down to
+        the cheapest ``max(1, min_instances)`` of its instances (``stage``'s including one of
+        ``keeping`` where given)."""
+        total = 0.0
+        for plan in plans:
+            left = max(1, plan.min_instances)
+            counts = fleet if plan.name == stage else tick.fleets[plan.name]
+            if plan.name == stage and keeping is not None:
+                total += prices[keeping]
+                left -= 1
+                counts = {**counts, keeping: counts[keeping] - 1}
+            for name in sorted((t for t, n in counts.items() if n > 0), key=prices.__getitem__):
+                kept = min(left, counts[name])
+                total += kept * prices[name]
+                left -= kept
+        return total
 
     stuck: set[str] = set()  # over its cap, but every stage holding it is at its floor
 
@@ -838,16 +864,27 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
                 price = prices[name]
                 if count <= 0 or (name != capped if capped is not None else price <= 0.0):
                     continue
-                after = min(others, reach(plan, {**fleet, name: count - 1}))
+                less = {**fleet, name: count - 1}
+                after = min(others, reach(plan, less))
                 lost = max(app_qps - after, 0.0) if math.isfinite(app_qps) else 0.0
                 per_usd = lost / price if price > 0.0 else lost
-                options.append((per_usd, -price, -count, plan.name, name, plan))
+                # Over the budget: what no fleet within it can keep goes first, then what
+                # leaves one that can still be shed within it.
+                kept = capped is not None or floor_cost(plan.name, fleet, name) <= budget
+                dead_end = capped is None and floor_cost(plan.name, less) > budget
+                options.append((kept, dead_end, per_usd, -price, -count, plan.name, name, plan))
         if not options:
             if capped is None:
+                if _trade_down(tick, plans):
+                    shed = True
+                    continue
                 break
             stuck.add(capped)
             continue
-        *_, name, plan = min(options, key=lambda option: option[:5])
+        keeps, *_, name, plan = min(options, key=lambda option: option[:7])
+        whose = "the instance whose loss costs the app the least capacity per USD/hr"
+        if not keeps:
+            whose = f"which no fleet within the budget keeps beside {plan.name}'s floor"
         if capped is not None:
             total = sum(fleet.get(name, 0) for fleet in tick.fleets.values())
             why = f"over the cap: {total} x {name} where the spec allows {config.max_counts[name]}"
@@ -862,11 +899,52 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
             plan,
             name,
             1,
-            f"scale_down: {why}; stopped 1 x {name}, the instance whose loss costs the app the"
-            " least capacity per USD/hr",
+            f"scale_down: {why}; stopped 1 x {name}, {whose}",
         )
         shed = True
     return shed
+
+
+def _trade_down(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
+    """A fleet over the budget with every stage at its floor: the dearest instance of any stage
+    for which one of the stage's cheapest planned type costs less (and the caps allow one) is
+    stopped and that one launched in its place. True when one was traded."""
+    config, prices = tick.config, tick.config.prices_usd_per_hr
+    trades = []
+    for plan in plans:
+        fleet = tick.fleets[plan.name]
+        planned = [t for t, n in plan.fleet.items() if n > 0 and t in prices]
+        cheapest = min(planned, key=lambda t: (prices[t], t), default=None)
+        if cheapest is None:
+            continue
+        for name, count in fleet.items():
+            if count > 0 and prices[name] > prices[cheapest]:
+                trades.append((-prices[name], plan.name, name, cheapest, plan))
+    for _, _, name, cheapest, plan in sorted(trades, key=lambda trade: trade[:4]):
+        fleet = tick.fleets[plan.name]
+        if _room(tick, plan.name, {**fleet, name: fleet[name] - 1}, cheapest) <= 0:
+            continue
+        why = (
+            f"over the budget: the fleet the tuner asks for costs {tick.cost_usd_per_hr:.6g}"
+            f" USD/hr, the budget is {config.budget_usd_per_hr:.6g} USD/hr and {plan.name} keeps"
+            f" {max(1, plan.min_instances)} instance(s)"
+        )
+        tick.stop(
+            plan,
+            name,
+            1,
+            f"scale_down: {why}; stopped 1 x {name} for 1 x {cheapest}, the stage's cheapest"
+            " planned type",
+        )
+        tick.launch(
+            plan,
+            cheapest,
+            1,
+            f"scale_up: {why}; 1 x {cheapest}, the stage's cheapest planned type, in place of"
+            f" 1 x {name}",
+        )
+        return True
+    return False
 
 
 def _scale_up(

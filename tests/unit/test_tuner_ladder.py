@@ -23,6 +23,7 @@ from controlplane.policies.tuner import (
 )
 from estimator.envelope import DEFAULT_PERSISTENCE_S
 from estimator.errors import WorkloadError
+from estimator.fleet import Fleet
 
 WINDOWS_S = (1.0, 2.0, 4.0, 8.0)
 PLANNED_QPS = 32.0
@@ -149,6 +150,30 @@ def test_the_budget_holds_while_two_mixes_overlap() -> None:
     made = run(plan, config(budget_usd_per_hr=0.6), 64, 120.0)
     assert all(m[2] != "gpu" for m in made if m[0] != "final" and m[1] == "scale_up")
     assert any(m[1] == "budget_capped" for m in made if m[0] != "final")
+
+
+@pytest.mark.parametrize(
+    "reached",
+    [{"cpu": 4, "gpu": 1}, {"gpu": 1}],
+    ids=["mid-change: cpus and the gpu", "changed: the gpu alone"],
+)
+def test_a_budget_cut_under_the_mix_moved_to_sheds_to_a_fleet_within_it(
+    reached: dict[str, int],
+) -> None:
+    """The tuner moved the stage from the plan's cpus towards a gpu ($0.5/hr); the budget is cut
+    to $0.45/hr, which the plan's floor (one cpu, $0.1/hr) fits (the API takes such a cut
+    unforced). The gpu alone is over it, so it goes and the stage serves on cpus within the
+    budget. Kept as the stage's last instance, the gpu was drained by the reconciler's budget
+    guard and never bought back: the app served nothing, for good."""
+    plan, cfg = stage(), config(budget_usd_per_hr=0.45)
+    state = TunerState(fleets={"m": Fleet.of(reached)}, last_change_s=90.0, started_s=0.0)
+    decisions, after = tune(steady(32, 40.0, 100.0), 100.0, state, [plan], cfg)
+    assert fleet_cost_usd_per_hr(after, cfg.prices_usd_per_hr) <= 0.45 + 1e-9
+    fleet = {t: n for t, n in after.fleets["m"].items() if n}
+    assert fleet == {"cpu": 4}  # the planned load on the plan's mix, within the budget
+    stopped = [(d.instance_type, d.count) for d in decisions if d.action == "scale_down"]
+    assert stopped == [("gpu", 1)]  # the cpus that serve stay; the gpu goes
+    assert decisions[-1].cost_usd_per_hr_after <= 0.45 + 1e-9
 
 
 @pytest.mark.parametrize("persistence_s", [None, DEFAULT_PERSISTENCE_S])
