@@ -705,7 +705,15 @@ class LiveTuner:
             if entry.status == "building":
                 return
             tuned.rebuild = False
-            fresh = self._set_up(app, now_s) if entry.status == "ready" else None
+            # The fleet the tuner reached stays, so the fresh stages must know every type in
+            # it: a type the sizing model added that neither the plan nor the new ladders place
+            # (a budget cut under its price) was a KeyError, a ``tuner_failed`` decision and the
+            # tuner set up again from the plan, its ladders dropped.
+            fresh = (
+                self._set_up(app, now_s, _held_types(tuned.state))
+                if entry.status == "ready"
+                else None
+            )
             if fresh is None or [s.name for s in fresh.stages] != [s.name for s in tuned.stages]:
                 # A failed build (logged) keeps the old ladders, and the decisions say so.
                 why = entry.reason if entry.status == "failed" else "its stages differ"
@@ -760,9 +768,13 @@ class LiveTuner:
             recent_s=self._load_model_recent_s,
             persistence_s=config.persistence_s,
         )
+        held = _held_types(tuned.state)
         tuned.stages = [
             tuner_stage(
-                ladders[stage.name], stage.fleet, tuned.config, scale_factor=stage.scale_factor
+                _rating_held(ladders[stage.name], stage, held.get(stage.name, set())),
+                stage.fleet,
+                tuned.config,
+                scale_factor=stage.scale_factor,
             )
             if stage.name in ladders
             else stage
@@ -981,6 +993,28 @@ def _cap_key(decision: ScalingDecision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"
+
+
+def _held_types(state: TunerState) -> dict[str, set[str]]:
+    """Stage -> the types the tuner's fleet names: those it runs (booting ones included) and
+    those it shed (a fleet keeps the zero of a type it stopped, and the tick prices it)."""
+    return {stage: set(fleet) for stage, fleet in state.fleets.items()}
+
+
+def _rating_held(ladder: SizingLadder, stage: TunerStage, held: Collection[str]) -> SizingLadder:
+    """``ladder`` with mu_t, from ``stage`` (set up on the profiles), for the types of ``held``
+    it has no rate for: the ladders of a new budget place no type the budget makes too dear,
+    while the fleet the tuner reached may still run one the sizing model added (it is shed on
+    the tick, which needs its rate and price)."""
+    rates = ladder.rate_per_instance_qps
+    missing = {
+        t: stage.rate_per_instance_qps[t]
+        for t in sorted(held)
+        if t not in rates and t in stage.rate_per_instance_qps
+    }
+    if not missing:
+        return ladder
+    return dataclasses.replace(ladder, rate_per_instance_qps={**rates, **missing})
 
 
 def _rate_or_none(resolved: ResolvedApp, entry: StagePlan, instance_type: str) -> float | None:

@@ -13,15 +13,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from controlplane.apps.budget import change_budget
 from controlplane.apps.plans import PlanRequest, planning_trace, replanning_request
-from controlplane.apps.resolver import spec_document
+from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
 from controlplane.db.store import AppRecord, Store
@@ -287,3 +288,77 @@ def test_a_cascade_is_sized_by_its_stage_ladders_in_the_replay_and_live_alike(
     wanted = tuner.desired_fleet(store.get_app(APP))
     for t in prices:
         assert wanted.get(t, 0) >= sum(f.get(t, 0) for f in by_planner.values()), t
+
+
+def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
+    store: Store, tmp_path: Path
+) -> None:
+    """Planned at 8 qps on one small; at 60 qps the sizing model adds larges ($0.1/hr each).
+    The budget is cut to $0.05/hr, which one small (the plan's floor) fits, so the API takes
+    it unforced. The tuner sheds the larges and keeps the small that serves; once the ladders
+    for the new budget (which place no large) are built, it sizes on them. It kept a large
+    (over the budget, drained by the reconciler, never bought back: nothing served), and the
+    new ladders were a KeyError, a ``tuner_failed`` decision and the tuner set up again."""
+    applied_plan(store, tmp_path, 8.0, budget=0.3)
+    record = store.get_applied_plan(APP)
+    assert record is not None and dict(record.plan.stages[0].fleet) == {SMALL: 1}
+    clock = FakeClock(start_s=1000.0)
+    rates = [(0.0, 8.0)]
+
+    def seen(_app: str) -> np.ndarray:
+        now = clock.now_s()
+        ends = [start for start, _ in rates[1:]] + [now]
+        parts = [
+            np.arange(np.ceil(max(start, now - 60.0) * rate), np.floor(end * rate) + 1) / rate
+            for (start, rate), end in zip(rates, ends, strict=True)
+            if end > now - 60.0
+        ]
+        arrivals = np.unique(np.concatenate(parts))
+        return arrivals[arrivals <= now]
+
+    queued: list[Callable[[], None]] = []  # the builds held back once the budget is cut
+
+    def submit(work: Callable[[], None]) -> None:
+        if rates[-1][1] == 60.0 and store.get_app(APP).budget_usd_per_hr < 0.3:
+            queued.append(work)
+        else:
+            work()
+
+    tuner = LiveTuner(store, clock, seen, resolve, submit=submit)
+    fake = FakeProvisioner(now=clock.utcnow)
+    reconciler = Reconciler(
+        store,
+        fake,
+        clock,
+        lambda _app: AppPricing({SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0}),
+        desired_fleet=tuner.desired_fleet,
+    )
+
+    def tick(seconds: int) -> None:
+        for _ in range(seconds):
+            clock.advance(1.0)
+            tuner.tick()
+            reconciler.run_once()
+            fake.step()
+            app = store.get_app(APP)
+            wanted = tuner.desired_fleet(app)
+            cost = sum(n * (0.05 if t == SMALL else 0.1) for t, n in wanted.items())
+            assert cost <= app.budget_usd_per_hr + 1e-9, (clock.now_s(), dict(wanted))
+            running = [i for i in fake.list({}) if i.state == "running"]
+            assert running, clock.now_s()
+
+    tick(5)
+    rates.append((clock.now_s(), 60.0))
+    tick(40)
+    assert tuner.desired_fleet(store.get_app(APP)).get(LARGE, 0) >= 1  # the mix moved
+    (small,) = [i.provider_id for i in fake.list({}) if i.instance_type == SMALL]
+
+    change_budget(store, AppResolver(tmp_path), APP, 0.05, reason="test", who="test")
+    tick(20)
+    assert len(queued) == 1
+    queued.pop()()
+    tick(20)
+    (stage,) = tuner.stages(APP)
+    assert stage.model == "curve" and LARGE not in dict(stage.ladder or ())[1.0]
+    assert [i.provider_id for i in fake.list({}) if i.state == "running"] == [small]
+    assert [d for d in store.list_decisions(APP) if d.kind == "tuner_failed"] == []
