@@ -27,7 +27,8 @@ restarted tuner (a restarted loops process, a new leader) starts from the fleet 
 the applied plan, which each scale decision records (:mod:`controlplane.loops.reached`).
 Instances take
 :func:`controlplane.policies.tuner.default_boot_s` to boot; the tuner counts them from launch, as
-the reconciler does.
+the reconciler does, and an instance whose row is still ``requested`` or ``pending`` boots
+however long that takes (:func:`_still_booting`: a GPU worker serves minutes after its launch).
 
 Two timings are the caller's (the service takes them from its settings, ``tuner_max_window_s``
 and ``tuner_scale_down_delay_s``): the longest envelope window, which is also how far back the
@@ -86,7 +87,7 @@ from numpy.typing import NDArray
 
 from controlplane.apps.plans import planning_trace, replanning_request
 from controlplane.clock import Clock
-from controlplane.db.store import AppRecord, PlanRecord, Store
+from controlplane.db.store import AppRecord, InstanceRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError, NotFoundError, first_line
 from controlplane.loops.reached import (
     PLAN_ID,
@@ -103,6 +104,7 @@ from controlplane.policies.capacity_curve import (
     build_ladder,
     cascade_sizing,
 )
+from controlplane.policies.lifecycle import InstanceState, is_profile_worker
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import (
@@ -113,6 +115,7 @@ from controlplane.policies.replay import (
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
     DEFAULT_SCALE_DOWN_DELAY_S,
+    Booting,
     ScalingDecision,
     TunerConfig,
     TunerStage,
@@ -462,7 +465,9 @@ class LiveTuner:
         if self._model == "curve":
             self._load_model(app, tuned, now_s)
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
-        decisions, state = tune(arrivals, now_s, tuned.state, tuned.stages, tuned.config)
+        waiting = self._store.list_instances(app.name, states=_NOT_SERVING_YET)
+        start = _still_booting(tuned.state, waiting, now_s)
+        decisions, state = tune(arrivals, now_s, start, tuned.stages, tuned.config)
         models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
         capped = tuned.capped
@@ -993,6 +998,45 @@ def _cap_key(decision: ScalingDecision) -> str:
     """The identity of a budget cap in the decision log: its stage and the type it lacks (the
     count it lacks may move from tick to tick; the row keeps the newest)."""
     return f"{decision.stage}:{decision.instance_type}"
+
+
+# The rows of instances launched whose workers do not serve yet.
+_NOT_SERVING_YET = (InstanceState.REQUESTED.value, InstanceState.PENDING.value)
+
+
+def _still_booting(
+    state: TunerState, waiting: Sequence[InstanceRecord], now_s: float
+) -> TunerState:
+    """``state`` with an instance booting for each of ``waiting`` (the app's rows launched and
+    not yet serving, profile runs' and rollouts' workers aside) that its modelled boots do not
+    cover, on the stage whose fleet holds its type, until its row runs. The tuner's boot times
+    are a model (``default_boot_s``: a GPU's minute), while a GPU worker pulls its image and
+    loads its models in minutes: a mix change from cpus to a gpu read the gpu as serving after
+    its minute and stopped the cpus while it still booted (the reconciler's guard kept one of
+    them, and the disruption budget slowed the rest), and the stage served on one cpu."""
+    booting = [b for b in state.booting if b.ready_at_s > now_s]
+    counts: dict[str, int] = {}
+    for row in waiting:
+        if not is_profile_worker(row.request_id):
+            counts[row.instance_type] = counts.get(row.instance_type, 0) + 1
+    # Ready a hair after now: booting at this tick, read again at the next.
+    ready_at_s = math.nextafter(now_s, math.inf)
+    added: list[Booting] = []
+    for name, count in sorted(counts.items()):
+        short = count - sum(1 for b in booting if b.instance_type == name)
+        for stage, fleet in state.fleets.items():
+            if short <= 0:
+                break
+            already = sum(
+                1 for b in (*booting, *added) if (b.stage, b.instance_type) == (stage, name)
+            )
+            more = min(short, fleet.get(name, 0) - already)
+            if more > 0:
+                added.extend(Booting(stage, name, now_s, ready_at_s) for _ in range(more))
+                short -= more
+    if not added:
+        return state
+    return dataclasses.replace(state, booting=(*booting, *added))
 
 
 def _held_types(state: TunerState) -> dict[str, set[str]]:

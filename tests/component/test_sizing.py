@@ -290,6 +290,20 @@ def test_a_cascade_is_sized_by_its_stage_ladders_in_the_replay_and_live_alike(
         assert wanted.get(t, 0) >= sum(f.get(t, 0) for f in by_planner.values()), t
 
 
+def stepped_arrivals(clock: FakeClock, rates: list[tuple[float, float]], _app: str) -> np.ndarray:
+    """The last minute of evenly spaced arrivals at ``rates`` ((from when, qps), in order) up to
+    the clock's now."""
+    now = clock.now_s()
+    ends = [start for start, _ in rates[1:]] + [now]
+    parts = [
+        np.arange(np.ceil(max(start, now - 60.0) * rate), np.floor(end * rate) + 1) / rate
+        for (start, rate), end in zip(rates, ends, strict=True)
+        if end > now - 60.0
+    ]
+    arrivals = np.unique(np.concatenate(parts))
+    return arrivals[arrivals <= now]
+
+
 def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
     store: Store, tmp_path: Path
 ) -> None:
@@ -304,18 +318,7 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
     assert record is not None and dict(record.plan.stages[0].fleet) == {SMALL: 1}
     clock = FakeClock(start_s=1000.0)
     rates = [(0.0, 8.0)]
-
-    def seen(_app: str) -> np.ndarray:
-        now = clock.now_s()
-        ends = [start for start, _ in rates[1:]] + [now]
-        parts = [
-            np.arange(np.ceil(max(start, now - 60.0) * rate), np.floor(end * rate) + 1) / rate
-            for (start, rate), end in zip(rates, ends, strict=True)
-            if end > now - 60.0
-        ]
-        arrivals = np.unique(np.concatenate(parts))
-        return arrivals[arrivals <= now]
-
+    seen = functools.partial(stepped_arrivals, clock, rates)
     queued: list[Callable[[], None]] = []  # the builds held back once the budget is cut
 
     def submit(work: Callable[[], None]) -> None:
@@ -362,3 +365,81 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
     assert stage.model == "curve" and LARGE not in dict(stage.ladder or ())[1.0]
     assert [i.provider_id for i in fake.list({}) if i.state == "running"] == [small]
     assert [d for d in store.list_decisions(APP) if d.kind == "tuner_failed"] == []
+
+
+GPU = "emu.gpu"
+
+
+def test_a_mix_change_stops_the_old_mix_only_once_the_new_one_serves(
+    store: Store, tmp_path: Path
+) -> None:
+    """Planned at 100 qps on five smalls; at 300 qps the sizing model moves the stage to one
+    gpu ($0.526/hr, 500 qps). The gpu's worker takes minutes to serve (an image pulled, models
+    loaded), not the tuner's modelled minute: the smalls stay until its row runs, then go. They
+    were stopped a minute after the gpu's launch, and the stage served on the one small the
+    reconciler's guard kept (the disruption budget draining the others one a minute)."""
+    (tmp_path / "gpu-profiles.json").write_text(
+        json.dumps(
+            {
+                "format": "heteroplane.profiles/v1",
+                "profiles": [
+                    {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
+                    for t, ms in ((SMALL, 40.0), (GPU, 2.0))
+                ],
+            }
+        )
+    )
+    document = {
+        **spec(tmp_path, 2.0),
+        "models": [{"name": "tiny", "profiles": str(tmp_path / "gpu-profiles.json")}],
+        "instance_types": [SMALL, GPU],
+    }
+    store.create_app(document, who="test")
+    app = store.get_app(APP)
+    trace, _ = planning_trace(resolve(app), PlanRequest(rate_qps=100.0, seed=0))
+    planned = plan_app(resolve(app), trace, seed=0).to_document()
+    store.apply_plan(APP, store.create_plan(APP, {**planned, "seed": 0}).id)
+    assert {t: n for t, n in planned["stages"][0]["fleet"].items() if n} == {SMALL: 5}
+    clock = FakeClock(start_s=1000.0)
+    rates = [(0.0, 100.0)]
+    tuner = LiveTuner(
+        store,
+        clock,
+        functools.partial(stepped_arrivals, clock, rates),
+        resolve,
+        submit=lambda work: work(),
+    )
+    fake = FakeProvisioner(now=clock.utcnow)
+    fake.never_run(GPU)  # its worker serves when the test says
+    reconciler = Reconciler(
+        store,
+        fake,
+        clock,
+        lambda _app: AppPricing({SMALL: 0.05, GPU: 0.526}, {SMALL: 25.0, GPU: 500.0}),
+        desired_fleet=tuner.desired_fleet,
+    )
+
+    def tick(seconds: int) -> None:
+        for _ in range(seconds):
+            clock.advance(1.0)
+            tuner.tick()
+            reconciler.run_once()
+            fake.step()
+
+    def serving(name: str) -> int:
+        return sum(1 for i in fake.list({}) if i.instance_type == name and i.state == "running")
+
+    tick(10)
+    rates.append((clock.now_s(), 300.0))
+    tick(150)  # the gpu still boots, two and a half minutes after its launch
+    kinds = [(d.kind, d.numbers.get("instance_type")) for d in store.list_decisions(APP)]
+    assert ("scale_up", GPU) in kinds and not [k for k, _ in kinds if k == "scale_down"]
+    smalls = serving(SMALL)
+    assert smalls >= 5 and serving(GPU) == 0
+
+    (gpu,) = [i.provider_id for i in fake.list({}) if i.instance_type == GPU]
+    fake.set_state(gpu, "running")
+    tick(5)
+    downs = [d for d in store.list_decisions(APP) if d.kind == "scale_down"]
+    assert [(d.numbers["instance_type"], d.numbers["count"]) for d in downs] == [(SMALL, smalls)]
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 0, GPU: 1}
