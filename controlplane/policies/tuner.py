@@ -79,6 +79,7 @@ from estimator.envelope import (
 )
 from estimator.errors import BudgetError, UnknownInstanceTypeError, WorkloadError
 from estimator.fleet import Fleet
+from estimator.numbers import plain
 
 if TYPE_CHECKING:
     from controlplane.spec import PlanningConstraints
@@ -1531,7 +1532,7 @@ class _Line:
     def text(self, span_s: float) -> str:
         counts = ", ".join(str(c) for c in self.counts)
         return (
-            f"{abs(self.slope_qps_per_s):.3g} qps a second over the last {span_s:g} s "
+            f"{plain(abs(self.slope_qps_per_s), 3)} qps a second over the last {span_s:g} s "
             f"({counts} arrivals a {self.width_s:g} s)"
         )
 
@@ -1645,7 +1646,12 @@ def _sized(
     cv2 = max(cv2, 1e-6)  # evenly spaced arrivals: the smoothest sizing
     options = [(plan.cv2, planned_qps, plan), *plan.burstiness]
     chosen, planned, stage = min(options, key=lambda o: (abs(math.log(o[0] / cv2)), -o[0]))
-    return stage, planned, f"arrivals' CV^2 {cv2:.3g} ({gaps} gaps): sized as CV^2 {chosen:.3g}"
+    # Positional (evenly spaced arrivals, a load generator's, read "CV^2 1e-06").
+    return (
+        stage,
+        planned,
+        f"arrivals' CV^2 {plain(cv2, 3)} ({gaps} gaps): sized as CV^2 {plain(chosen, 3)}",
+    )
 
 
 def live_batch(

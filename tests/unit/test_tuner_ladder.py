@@ -5,6 +5,7 @@ bring, the budget while two mixes overlap, and a blip read as noise."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -214,6 +215,9 @@ def test_traffic_smoother_than_planned_is_sized_on_the_ladder_of_its_burstiness(
     at_s, down = downs[0]
     assert at_s > 62.0  # on at least BURSTINESS_MIN_GAPS gaps
     assert "sized as CV^2 1" in down.reason
+    # Evenly spaced arrivals, as a load generator's: positional, not "CV^2 1e-06".
+    assert re.search(r"arrivals' CV\^2 0\.00000\d+ \(", down.reason), down.reason
+    assert "e-0" not in down.reason
     assert dict(ready_fleets(state, 151.0)["m"]) == {"cpu": 2}
 
 
