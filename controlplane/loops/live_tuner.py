@@ -489,7 +489,8 @@ class LiveTuner:
                     "stage": d.stage,
                     "instance_type": d.instance_type,
                     "count": d.count,
-                    "cost_usd_per_hr_after": d.cost_usd_per_hr_after,
+                    # Summed price by price: 0.1 + 0.05 read 0.15000000000000002 in the API.
+                    "cost_usd_per_hr_after": round(d.cost_usd_per_hr_after, 9),
                     "at_s": d.at_s,
                     # Which load model sized the stage, and why not the load model if asked.
                     "model": models[d.stage],

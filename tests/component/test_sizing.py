@@ -365,6 +365,10 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
     assert stage.model == "curve" and LARGE not in dict(stage.ladder or ())[1.0]
     assert [i.provider_id for i in fake.list({}) if i.state == "running"] == [small]
     assert [d for d in store.list_decisions(APP) if d.kind == "tuner_failed"] == []
+    # The costs the decisions state are the fleet's, without float noise (0.15000000000000002).
+    costs = [d.numbers.get("cost_usd_per_hr_after") for d in store.list_decisions(APP)]
+    tuned = [c for c in costs if c is not None]
+    assert 0.15 in tuned and all(len(repr(c)) <= 12 for c in tuned), tuned
 
 
 GPU = "emu.gpu"
