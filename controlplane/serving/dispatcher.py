@@ -628,6 +628,20 @@ class AppDispatcher:
             self.app, verdict.predicted_ms, self.config.slo_ms, verdict.retry_after_s
         )
 
+    def _forward_unserved(self, request: _Request, position: int) -> bool:
+        """The part of a query a cascade forwards to its model at ``position`` when no healthy
+        instance serves that model (its workers died or left while the part was at an earlier
+        stage): the query is answered now with the 503 an arrival would get, as
+        :meth:`_fail_stranded` answers the parts already queued there; not queued where nothing
+        serves it until its give-up time, nor refused as an overload (a 429 that said the
+        queues were full, and an overload sign of a model that has no instance)."""
+        model = request.cascade.models[position]
+        stage = self._stages.get(model)
+        if stage is None or any(s.worker.healthy for s in stage.slots):
+            return False  # a model gone is _enqueue's answer
+        self._fail(request, NoServingInstanceError(self.app, model, "no healthy worker"))
+        return True
+
     def _forward_refused(self, request: _Request, position: int, samples: int, now: float) -> bool:
         """Admission for the part of a query a cascade forwards to its model at ``position``
         (:mod:`controlplane.serving.admission`: a query is judged on entry at the stage every
@@ -937,6 +951,8 @@ class AppDispatcher:
                     forward.append(i)
                 offset += 1
             if forward:
+                if self._forward_unserved(request, part.position + 1):
+                    continue
                 if self._forward_refused(request, part.position + 1, len(forward), now):
                     continue
                 self._enqueue(request, part.position + 1, forward, now)

@@ -1441,3 +1441,32 @@ def test_the_pool_forgets_the_connections_of_workers_that_went(
             staying.kill()
 
     asyncio.run(asyncio.wait_for(scenario(), 30.0))
+
+
+@pytest.mark.parametrize("admission", [True, False])
+def test_a_part_forwarded_to_a_model_left_without_a_worker_fails_at_once(admission: bool) -> None:
+    """The large model is profiled on the large type only; its one worker leaves the fleet while
+    an uncertain query is at tiny. The part tiny forwards is answered with the 503 an arrival
+    would get, at once: not refused as an overload ("its queues hold as many samples as they
+    may; retry after 60 s", with admission) nor queued where nothing serves it until its
+    give-up time (without)."""
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE], delay_s=0.2)
+        app = config(slo_ms=300.0)
+        del app.profiles["large"][SMALL]
+        dispatcher = await dispatcher_over(workers, app, admission=admission, give_up_s=20.0)
+        future = dispatcher.submit([row(1, 0.1)])
+        await until(lambda: any(w.received for w in workers))  # at tiny
+        dispatcher.set_workers(endpoints(workers)[:1])
+        started = time.monotonic()
+        (result,) = await settle([future])
+        assert isinstance(result, NoServingInstanceError), result
+        assert result.model == "large"
+        assert time.monotonic() - started < 5.0
+        no_capacity = 0.0  # a refusal at no capacity would count at any capacity
+        refused = dispatcher.tracker.refusals(("demo", "large"), time.monotonic(), no_capacity)
+        assert refused == 0  # no overload sign of a model that has no instance
+        await dispatcher.close()
+
+    run(scenario())
