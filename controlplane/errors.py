@@ -344,18 +344,39 @@ class ServingError(ControlPlaneError):
 class OverloadedError(ServingError):
     """Admission control refused a query: the queue it would join cannot be served within the
     SLO even at the cheapest gear (``predicted_ms`` against ``slo_ms``); ``retry_after_s`` is
-    when the backlog is expected to have drained enough (whole seconds, >= 1)."""
+    when the backlog is expected to have drained enough (whole seconds, >= 1). With
+    ``forwarded_to``, the query was admitted and the part its cascade forwarded was refused at
+    that later model (``predicted_ms``: from the query's arrival to its answer there)."""
 
-    def __init__(self, app: str, predicted_ms: float, slo_ms: float, retry_after_s: int) -> None:
+    def __init__(
+        self,
+        app: str,
+        predicted_ms: float,
+        slo_ms: float,
+        retry_after_s: int,
+        forwarded_to: str | None = None,
+    ) -> None:
         self.predicted_ms = predicted_ms
         self.slo_ms = slo_ms
         self.retry_after_s = retry_after_s
-        wait = (
-            f"a new query would take about {predicted_ms:.0f} ms against its SLO of"
-            f" {slo_ms:g} ms even at the cheapest gear"
-            if predicted_ms < float("inf")
-            else "its queues hold as many samples as they may"
-        )
+        self.forwarded_to = forwarded_to
+        if forwarded_to is not None:
+            # Admitted on entry; the part a cascade forwarded was refused at a later model.
+            wait = (
+                f"the part of the query its cascade forwarded to model {forwarded_to!r} would be"
+                f" answered about {predicted_ms:.0f} ms after the query arrived, against its SLO"
+                f" of {slo_ms:g} ms"
+                if predicted_ms < float("inf")
+                else f"model {forwarded_to!r}, to which its cascade forwarded part of the query,"
+                " cannot serve it within its SLO"
+            )
+        elif predicted_ms < float("inf"):
+            wait = (
+                f"a new query would take about {predicted_ms:.0f} ms against its SLO of"
+                f" {slo_ms:g} ms even at the cheapest gear"
+            )
+        else:
+            wait = "its queues hold as many samples as they may"
         super().__init__(app, f"app {app!r} is overloaded: {wait}; retry after {retry_after_s} s")
 
 

@@ -671,6 +671,7 @@ class AppDispatcher:
                 elapsed_ms + verdict.predicted_ms,
                 self.config.slo_ms,
                 verdict.retry_after_s,
+                forwarded_to=model,
             ),
         )
         return True

@@ -1323,7 +1323,7 @@ def test_a_query_a_cascade_forwards_is_refused_where_the_next_stage_cannot_serve
     next model against what the SLO leaves it. The profiles say tiny 50 ms and large 200 ms a
     call, the worker answers in 150 ms: of two uncertain queries, both admitted on entry, the
     first forwarded finds the large model free and is answered; the second, behind it with at
-    most 150 ms of its 300 ms SLO left, is refused (429) there."""
+    most 150 ms of its 300 ms SLO left, is refused (429) there, with a message that says so."""
 
     async def scenario() -> None:
         workers = await fleet([LARGE], delay_s=0.15)
@@ -1333,6 +1333,11 @@ def test_a_query_a_cascade_forwards_is_refused_where_the_next_stage_cannot_serve
         results = await settle(futures)
         assert isinstance(results[0], InferResult) and results[0].models == ("large",), results
         assert isinstance(results[1], OverloadedError), results
+        # Its message says where and why: not "a new query ... even at the cheapest gear".
+        message = str(results[1])
+        assert "forwarded to model 'large'" in message, message
+        assert "after the query arrived, against its SLO of 300 ms" in message, message
+        assert "new query" not in message and "cheapest gear" not in message, message
         assert workers[0].rows_by_model == {"tiny": 2, "large": 1}
         await dispatcher.close()
 
