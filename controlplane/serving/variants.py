@@ -17,8 +17,9 @@ each of its models alone. :class:`AppVariants` owns what each is worth now:
   drain its backlog within the SLO, else *active*.
 
 :meth:`AppVariants.choose` gives a model-less query the cheapest variant that meets its
-requirements (:func:`controlplane.policies.variants.choose`), or a
-:class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
+requirements (:func:`controlplane.policies.variants.choose`), among those whose every model a
+healthy worker serves first, or a :class:`~controlplane.errors.RequirementsUnmetError` naming the
+closest offer.
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ class AppVariants:
                 label,
             )
 
+    def _served(self, cascade: Cascade) -> bool:
+        """Whether every model of ``cascade`` has a healthy worker (what a query needs to be let
+        in: ``AppDispatcher._check_serving``)."""
+        return all(any(s.worker.healthy for s in self.stages[m].slots) for m in cascade.models)
+
     def state(self, cascade: Cascade, loads: Sequence[StageLoad], now_s: float) -> VariantState:
         """The INFaaS state of ``cascade`` at ``loads`` (see the module docstring)."""
         for model, load in zip(cascade.models, loads, strict=True):
@@ -198,6 +204,15 @@ class AppVariants:
         if not options:
             self._refuse_unreachable(requirements, gear)
             raise NoServingInstanceError(app, self.config.cascade.models[0])
+        # A variant with a model no healthy worker serves is offered (its latency infinite) but
+        # would be refused 503 on its way in: one that is served and meets the requirements
+        # comes first. Without one, the choice is among them all, as before: a variant that
+        # meets them once its worker is back is a 503 (try again), none at all a 422.
+        served = [(option, c) for option, c in options if self._served(c)]
+        if served and len(served) < len(options):
+            choice = choose(requirements, [option for option, _ in served])
+            if choice.met:
+                return next(c for option, c in served if option is choice.option)
         choice = choose(requirements, [option for option, _ in options])
         if not choice.met:
             raise RequirementsUnmetError(app, choice.message, choice.option.name)

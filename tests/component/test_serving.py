@@ -1475,3 +1475,46 @@ def test_a_part_forwarded_to_a_model_left_without_a_worker_fails_at_once(admissi
         await dispatcher.close()
 
     run(scenario())
+
+
+def test_a_model_less_query_gets_a_served_variant_over_one_whose_model_is_down() -> None:
+    """The large model runs on the large type only, and its worker is down (still listed, out of
+    matching). A query asking for 93% was refused 503 (no serving instance for 'large'): the
+    cheapest variant meeting it, the cascade, reaches large, while medium alone (96%) meets it
+    on a healthy worker. It gets medium now; an ask only large meets is still a 503 (try again
+    once its worker is back), not a 422."""
+    from dataclasses import replace
+
+    from estimator.cascades import synthetic_validation
+
+    records = synthetic_validation(
+        np.random.default_rng(0),
+        [0.9, 0.95, 0.97],
+        names=["tiny", "medium", "large"],
+        n_samples=400,
+    )
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE])
+        app = replace(
+            config(models=("tiny", "medium", "large"), thresholds=(0.5, 0.5)), validation=records
+        )
+        del app.profiles["large"][SMALL]
+        dispatcher = await dispatcher_over(workers, app)
+        offered = {option.name: option for option, _ in dispatcher.variant_options()}
+        cascade = offered["tiny@0.5 -> medium@0.5 -> large"]
+        assert cascade.cost_usd_per_query < offered["medium"].cost_usd_per_query
+        assert offered["medium"].accuracy >= 0.93 and cascade.accuracy >= 0.93
+        workers[1].kill()
+        (large,) = [w for w in dispatcher.workers() if w.instance_type == LARGE]
+        await settle([dispatcher.submit([row(1, 0.1)])])  # reaches large: its call fails
+        await until(lambda: not large.healthy)
+        result = await dispatcher.infer(
+            [row(1, 0.9)], requirements=Requirements("demo", None, 0.93)
+        )
+        assert (result.gear, result.models) == ("medium", ("medium",))
+        with pytest.raises(NoServingInstanceError, match="'large'"):
+            await dispatcher.infer([row(1, 0.9)], requirements=Requirements("demo", None, 0.975))
+        await dispatcher.close()
+
+    run(scenario())
