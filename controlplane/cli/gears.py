@@ -24,6 +24,7 @@ from controlplane.cli.output import UsageError, emit, progress
 from controlplane.cli.parsers import MAX_GEAR_QPS, MAX_GEAR_RANGES
 from controlplane.policies.gears import CascadePlacement, GearPlan, plan_gears
 from controlplane.policies.replay import read_plan
+from controlplane.policies.variants import percent_places
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.cascades import DEFAULT_CHOOSE_SHARE, DEFAULT_SPLIT_SEED, load_validation
 from estimator.errors import BatchSizeOutOfRangeError
@@ -184,11 +185,23 @@ def human(data: dict[str, Any], plan: GearPlan) -> str:
     digits = min(max(1, math.ceil(-math.log10(width)) + 1), 9)
     for gear in plan.gears:
         option = plan.options[gear.option]
-        flag = "" if gear.meets_slo else "  (does not meet the SLO)"
+        places, flag = 2, ""
+        if floor is not None and option.accuracy < floor:
+            # As many decimals as show it under the floor: 98.329% against 98.33% read
+            # "98.33% held-out ... (does not meet the SLO)" under a goal of ">= 98.33%".
+            places = percent_places(option.accuracy, floor)
+            flag = (
+                f"  (does not meet the SLO: under the accuracy floor of {100 * floor:.{places}f}%)"
+            )
+        elif not gear.meets_slo:
+            flag = (
+                f"  (does not meet the SLO: it sustains {option.max_qps:.1f} qps within"
+                f" P{plan.percentile:.15g} <= {plan.slo_ms:g} ms)"
+            )
         lines.append(
             f"    [{gear.low_qps:>9.{digits}f}, {gear.high_qps:>9.{digits}f}) qps:"
             f" {option.cascade.label}"
-            f" ({100 * option.accuracy:.2f}% held-out, {100 * option.quality.accuracy:.2f}%"
-            f" in-sample){flag}"
+            f" ({100 * option.accuracy:.{places}f}% held-out,"
+            f" {100 * option.quality.accuracy:.2f}% in-sample){flag}"
         )
     return "\n".join(lines)

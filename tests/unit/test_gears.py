@@ -574,6 +574,38 @@ def test_gears_command_prints_both_accuracies(
     assert [(float(lo), float(hi)) for lo, hi in bounds] == [(0.0, 0.0005), (0.0005, 0.001)]
 
 
+def test_gears_command_says_why_a_range_misses_and_shows_the_accuracy_under_the_floor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A floor a hair above the best held-out accuracy: every range gets the most accurate
+    cascade and misses the SLO. The lines read "98.33% held-out ... (does not meet the SLO)"
+    under a goal of ">= 98.33%"; they show the accuracy in as many decimals as put it under the
+    floor, and say which half of the SLO is missed."""
+    spec, validation = _app(tmp_path)
+    args = ["gears", "--spec", str(spec), "--validation", str(validation)]
+    args += ["--placement", PLACEMENT, "--thresholds", "0.3,0.9", "--ranges", "2"]
+    assert main([*args, "--json"]) == 0
+    best = max(o["held_out_accuracy"] for o in json.loads(capsys.readouterr().out)["options"])
+    floor = best + 1e-6
+    assert f"{100 * best:.2f}" == f"{100 * floor:.2f}"  # the same at two decimals
+    text = spec.read_text().replace("slo: {latency_ms:", f"slo: {{accuracy: {floor!r}, latency_ms:")
+    spec.write_text(text)
+    assert main(args) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ") qps:" in line]
+    assert lines
+    for line in lines:
+        assert "(does not meet the SLO: under the accuracy floor of" in line, line
+        shown, floor_shown = line.split("(")[1].split("%")[0], line.split("floor of ")[1][:-2]
+        assert float(shown) < float(floor_shown), line
+    # Without a floor, a range past what its cascade sustains says that.
+    spec.write_text(text.replace(f"accuracy: {floor!r}, ", ""))
+    assert main([*args, "--qps-max", "1000000"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "(does not meet the SLO: it sustains" in out and f"qps within P99 <= {SLO_MS:g} ms" in out
+    )
+
+
 @pytest.mark.parametrize(
     ("placement", "message"),
     [
