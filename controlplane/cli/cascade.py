@@ -199,6 +199,14 @@ def _human(data: dict[str, Any]) -> str:
     top = next(m for m in data["models"] if m["name"] == data["most_accurate_model"])
     if best is None:
         lines.append("no cascade comes within the tolerance of the most accurate model")
+    elif best["models"] == [top["name"]]:
+        # The most accurate model alone: "1.0x less compute" than itself said nothing.
+        lines += [
+            "",
+            f"best: {top['name']} alone ({best['held_out_accuracy'] * 100:.2f}% held-out,"
+            f" {best['accuracy'] * 100:.2f}% in-sample, {best['compute_ms_per_query']:.4f}"
+            " ms/query): no cascade as accurate within the tolerance needs less compute",
+        ]
     else:
         lines += [
             "",

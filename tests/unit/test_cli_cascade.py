@@ -82,6 +82,12 @@ def test_single_models_only(trained_family: Path, capsys: pytest.CaptureFixture[
     out = evaluate(capsys, trained_family, "--max-stages", "1", "--models", "tiny,large")
     assert {tuple(c["models"]) for c in out["cascades"]} <= {("tiny",), ("large",)}
     assert out["best"]["models"] == ["large"] and out["best"]["reach_share"] == [1.0]
+    # In words: the model alone is the best, not "1.0x less compute" than itself.
+    argv = ["cascade", "evaluate", "--cache-dir", str(trained_family), *FEW, "--max-stages", "1"]
+    assert main([*argv, "--models", "tiny,large"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert summary.startswith("best: large alone (") and "less compute" in summary, summary
+    assert "x less compute" not in summary, summary
 
 
 def test_compute_from_a_profile_file(
