@@ -239,14 +239,15 @@ def plans_preview(args: argparse.Namespace) -> int:
         trace["batch_dist"] = args.batch_dist
     with client_from(args) as client:
         plan = client.post(app_path(args.app, "plans"), {"trace": trace, "seed": args.seed})
-    return emit(
-        args.json,
-        plan,
-        lambda: (
-            _plan_text(plan)
-            + f"\napply it with: heteroplane plans apply --app {args.app} --id {plan['id']}"
-        ),
-    )
+    if plan.get("stages"):
+        hint = f"apply it with: heteroplane plans apply --app {args.app} --id {plan['id']}"
+    else:
+        # The service refuses to apply it (409: it would drain every instance).
+        hint = (
+            "it has no stages (no rate can be served within the budget and the SLO), so it"
+            " cannot be applied: raise the budget or loosen the SLO and preview another"
+        )
+    return emit(args.json, plan, lambda: f"{_plan_text(plan)}\n{hint}")
 
 
 def plans_list(args: argparse.Namespace) -> int:

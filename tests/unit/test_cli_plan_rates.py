@@ -71,6 +71,21 @@ def test_an_infeasible_plans_small_servable_rate_is_printed_as_it_is(
     status, out, err = cli(capsys, "plans", "preview", "--app", "tiny", "--rate-qps", "0.004")
     assert status == 0, err
     assert "NOT feasible: at most 0.00200 qps can be served" in out
+    assert "apply it with: heteroplane plans apply --app tiny --id 4" in out
+
+
+def test_a_plan_without_stages_is_not_offered_to_apply(
+    fake: FakeService, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing served within the budget (a cascade's budget below one instance per stage): the
+    preview said "apply it with: heteroplane plans apply ..." for a plan the service refuses to
+    apply (409, it would drain every instance)."""
+    empty = {**_plan(0.0, feasible=False), "stages": [], "max_feasible_qps": 0.0}
+    monkeypatch.setitem(ROUTES, "/v1/apps/tiny/plans", (200, empty, 0.0))
+    status, out, err = cli(capsys, "plans", "preview", "--app", "tiny", "--rate-qps", "8")
+    assert status == 0, err
+    assert "plans apply" not in out, out
+    assert "no stages" in out and "cannot be applied" in out, out
 
 
 @pytest.mark.parametrize(
