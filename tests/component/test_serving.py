@@ -1448,6 +1448,15 @@ def test_the_pool_forgets_the_connections_of_workers_that_went(
     asyncio.run(asyncio.wait_for(scenario(), 30.0))
 
 
+def large_on_the_large_type_only(app: AppConfig) -> AppConfig:
+    """``app`` with the large model profiled on the large type alone: only such a worker serves
+    it (a model too big for the small type)."""
+    from dataclasses import replace
+
+    profiles = {**app.profiles, "large": {LARGE: app.profiles["large"][LARGE]}}
+    return replace(app, profiles=profiles)
+
+
 @pytest.mark.parametrize("admission", [True, False])
 def test_a_part_forwarded_to_a_model_left_without_a_worker_fails_at_once(admission: bool) -> None:
     """The large model is profiled on the large type only; its one worker leaves the fleet while
@@ -1458,8 +1467,7 @@ def test_a_part_forwarded_to_a_model_left_without_a_worker_fails_at_once(admissi
 
     async def scenario() -> None:
         workers = await fleet([SMALL, LARGE], delay_s=0.2)
-        app = config(slo_ms=300.0)
-        del app.profiles["large"][SMALL]
+        app = large_on_the_large_type_only(config(slo_ms=300.0))
         dispatcher = await dispatcher_over(workers, app, admission=admission, give_up_s=20.0)
         future = dispatcher.submit([row(1, 0.1)])
         await until(lambda: any(w.received for w in workers))  # at tiny
@@ -1499,7 +1507,7 @@ def test_a_model_less_query_gets_a_served_variant_over_one_whose_model_is_down()
         app = replace(
             config(models=("tiny", "medium", "large"), thresholds=(0.5, 0.5)), validation=records
         )
-        del app.profiles["large"][SMALL]
+        app = large_on_the_large_type_only(app)
         dispatcher = await dispatcher_over(workers, app)
         offered = {option.name: option for option, _ in dispatcher.variant_options()}
         cascade = offered["tiny@0.5 -> medium@0.5 -> large"]
