@@ -547,10 +547,36 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
 
 
 def _subject(decision: Mapping[str, Any]) -> str:
-    """What ``decision`` is about, where its numbers say (``rollout 3``); else empty."""
+    """What ``decision`` is about, where its numbers say (``rollout 3``, or a cascade's
+    ``stage medium`` for the tuner's decisions); else empty.
+
+    >>> _subject({"numbers": {"rollout_id": 3}}), _subject({"numbers": {"stage": "large"}})
+    ('rollout 3', 'stage large')
+    """
     numbers = decision.get("numbers") or {}
-    rollout = numbers.get("rollout_id") if isinstance(numbers, Mapping) else None
-    return "" if rollout is None else f"rollout {rollout}"
+    if not isinstance(numbers, Mapping):
+        return ""
+    rollout = numbers.get("rollout_id")
+    if rollout is not None:
+        return f"rollout {rollout}"
+    stage = _stage(decision)
+    return "" if stage is None else f"stage {stage}"
+
+
+def _stage(decision: Mapping[str, Any]) -> str | None:
+    """The stage (model) a tuner's decision is about, where its numbers name one."""
+    numbers = decision.get("numbers") or {}
+    stage = numbers.get("stage") if isinstance(numbers, Mapping) else None
+    return stage if isinstance(stage, str) and stage else None
+
+
+def _decision_detail(decision: Mapping[str, Any], staged: bool) -> str:
+    """The decision's reason; ``staged`` (the decisions listed name more than one stage, a
+    cascade's tuner), prefixed with its stage: a cascade's tuner decisions did not say which
+    model they were about, and one stage's ran together with another's under one line."""
+    reason = str(decision["reason"])
+    stage = _stage(decision) if staged else None
+    return reason if stage is None else f"{stage}: {reason}"
 
 
 def _times(line: EventLine) -> str:
@@ -610,10 +636,11 @@ def events(args: argparse.Namespace) -> int:
             recent = client.get(app_path(args.app, "decisions"), limit=1000)
             moved = client.get(app_path(args.app, "events"), limit=1)
             present = sorted({d["kind"] for d in recent} | ({INSTANCE_KIND} if moved else set()))
+    staged = len({_stage(d) for d in decisions} - {None}) > 1
     merged = sorted(
         [
-            EventLine(d["at"], "decision", d["kind"], d["reason"], d.get("count") or 1,
-                      d.get("last_at"), _subject(d))
+            EventLine(d["at"], "decision", d["kind"], _decision_detail(d, staged),
+                      d.get("count") or 1, d.get("last_at"), _subject(d))
             for d in decisions
         ]
         + [

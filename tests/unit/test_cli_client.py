@@ -344,3 +344,39 @@ def test_a_collapsed_lines_span_reads_as_a_person_reads_it(seconds: float, shown
     from controlplane.cli.operate import _span
 
     assert _span(seconds) == shown
+
+
+def test_a_cascades_tuner_decisions_name_their_stage_and_stay_apart(
+    fake: FakeService, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cascade's tuner caps two stages in the same ticks: the lines did not say which model
+    each was about, and the two ran together as one line ("120x") with the last stage's detail
+    (the medium stage's cap was not seen). Each stage now has its own line, named."""
+
+    def capped(at: str, stage: str, s: float) -> dict[str, Any]:
+        reason = f"budget_capped: window 1 s saw 40 qps > planned 26 qps; r_max 40 qps, s {s:g}"
+        return {
+            "id": 1,
+            "at": at,
+            "kind": "budget_capped",
+            "reason": reason,
+            "numbers": {"stage": stage, "instance_type": "emu.cpu.small", "count": 1},
+            "count": 60,
+            "last_at": "2026-12-06T14:29:18.60Z",
+        }
+
+    decisions = [
+        capped("2026-12-06T14:28:19.607Z", "medium", 0.068),
+        capped("2026-12-06T14:28:19.609Z", "large", 0.0128),
+    ]
+    monkeypatch.setitem(ROUTES, "/v1/apps/demo/decisions", (200, decisions, 0.0))
+    status, out, err = cli(capsys, "events", "--app", "demo")
+    assert status == 0, err
+    lines = [line for line in out.splitlines() if "budget_capped" in line]
+    assert len(lines) == 2, out
+    assert "60x over" in lines[0] and "medium: budget_capped: " in lines[0], out
+    assert "60x over" in lines[1] and "large: budget_capped: " in lines[1], out
+    # One stage's decisions (a single-model app's) read as before.
+    monkeypatch.setitem(ROUTES, "/v1/apps/demo/decisions", (200, decisions[:1], 0.0))
+    status, out, err = cli(capsys, "events", "--app", "demo")
+    assert status == 0 and "medium:" not in out and "budget_capped: window" in out, out
