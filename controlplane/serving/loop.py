@@ -626,6 +626,8 @@ class ServingLoop:
         if dispatcher is None:
             return None
         config = dispatcher.config
-        return self.observations.take_window(
-            app, self.clock.now_s(), config.slo_ms, dispatcher.gear_label
-        )
+        # The gear in force now, not at the last arrival: at no load the switcher moves back to
+        # the most accurate gear, and the window (the dashboard's gear) kept the one the last
+        # query of a burst was served by for as long as none came.
+        gear = dispatcher.current_gear().cascade.label
+        return self.observations.take_window(app, self.clock.now_s(), config.slo_ms, gear)

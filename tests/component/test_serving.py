@@ -1057,6 +1057,29 @@ def test_the_roll_up_records_the_serving_window(world: ApiWorld) -> None:
     api_run(world, body)
 
 
+def test_the_roll_up_records_the_gear_in_force_not_the_last_queries(world: ApiWorld) -> None:
+    """A burst served by the fast gear, then no load: the switcher moves back to the accurate
+    gear, and the window recorded the fast one (the gear at the last arrival) for as long as no
+    query came: the dashboard said "tiny" while the events said the cascade was in force."""
+    gear: list[ServingGear | None] = [ServingGear(Cascade(("tiny",), ()))]
+    world.serving.gears = lambda app: gear[0]
+
+    async def body(client: httpx.AsyncClient) -> None:
+        workers = await fleet([LARGE])
+        world.instances.set("demo", endpoints(workers))
+        response = await client.post(
+            "/v1/apps/demo/infer", json={"inputs": [row(1, 0.1)]}, headers=world.auth()
+        )
+        assert response.status_code == 200 and response.json()["gear"] == "tiny"
+        roll_up(world.store, FakeClock(), window=world.serving.take_window)
+        gear[0] = ServingGear(Cascade(("tiny", "large"), (0.5,)))  # no query since
+        roll_up(world.store, FakeClock(), window=world.serving.take_window)
+        first, second = world.store.metric_series("demo")
+        assert (first.gear, second.gear) == ("tiny", "tiny@0.5 -> large")
+
+    api_run(world, body)
+
+
 def test_the_dashboard_shows_each_workers_utilisation_and_model_states(tmp_path: Path) -> None:
     # An SLO no wait here reaches: forty queries at once on a busy machine can measure past 300 ms
     # (the fake workers share this process's loop), and admission control would then rightly
