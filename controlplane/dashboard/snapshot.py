@@ -710,15 +710,19 @@ def _cascade_section(
     }
 
 
-def _rollout_of(decision: Mapping[str, Any]) -> Any:
-    """The rollout a decision is about (its numbers' ``rollout_id``), else None."""
+def _subject_of(decision: Mapping[str, Any]) -> tuple[Any, Any]:
+    """What a decision is about, where its numbers say: its rollout (``rollout_id``) and its
+    stage (``stage``: a cascade's tuner decides per model); (None, None) else."""
     numbers = decision.get("numbers")
-    return numbers.get("rollout_id") if isinstance(numbers, Mapping) else None
+    if not isinstance(numbers, Mapping):
+        return (None, None)
+    return (numbers.get("rollout_id"), numbers.get("stage"))
 
 
 def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive decisions of one kind, and of one rollout where they are a rollout's
-    (newest first, as :func:`_decision` shapes them) as one
+    """Consecutive decisions of one kind, and of one rollout where they are a rollout's and of
+    one stage where they are a cascade's tuner's (newest first, as :func:`_decision` shapes them)
+    as one
     entry, so that a burst of gear switches does not hide the scaling decisions around it: the
     newest one's id, reason and numbers, ``run`` (how many decisions), ``count`` (how many times
     they were made, together), ``at``/``t`` the oldest's time and ``last_at``/``last_t`` the
@@ -740,6 +744,14 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     >>> r = lambda i, rollout: {**d(i, "rollout", i), "numbers": {"rollout_id": rollout}}
     >>> [(e["id"], e["run"]) for e in collapse_runs([r(3, 2), r(2, 1), r(1, 1)])]
     [(3, 1), (2, 2)]
+
+    A cascade's tuner caps two stages in the same tick: two entries, not one run showing the
+    last stage's numbers.
+
+    >>> s = lambda i, stage: {**d(i, "budget_capped", i), "numbers": {"stage": stage}}
+    >>> capped = [s(4, "large"), s(3, "medium"), s(2, "medium")]
+    >>> [(e["id"], e["run"]) for e in collapse_runs(capped)]
+    [(4, 1), (3, 2)]
     """
     entries: list[dict[str, Any]] = []
     for decision in decisions:
@@ -747,7 +759,7 @@ def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
         if (
             last is None
             or last["kind"] != decision["kind"]
-            or _rollout_of(last) != _rollout_of(decision)
+            or _subject_of(last) != _subject_of(decision)
         ):
             entries.append({**decision, "run": 1})
             continue
