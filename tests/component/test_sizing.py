@@ -304,6 +304,24 @@ def stepped_arrivals(clock: FakeClock, rates: list[tuple[float, float]], _app: s
     return arrivals[arrivals <= now]
 
 
+def run_ticks(
+    clock: FakeClock,
+    tuner: LiveTuner,
+    reconciler: Reconciler,
+    fake: FakeProvisioner,
+    seconds: int,
+    check: Callable[[], None] = lambda: None,
+) -> None:
+    """``seconds`` ticks of a second: the tuner, the reconciler and the fake provisioner each
+    take one, then ``check``."""
+    for _ in range(seconds):
+        clock.advance(1.0)
+        tuner.tick()
+        reconciler.run_once()
+        fake.step()
+        check()
+
+
 def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
     store: Store, tmp_path: Path
 ) -> None:
@@ -337,18 +355,16 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
         desired_fleet=tuner.desired_fleet,
     )
 
+    def within_and_serving() -> None:
+        app = store.get_app(APP)
+        wanted = tuner.desired_fleet(app)
+        cost = sum(n * (0.05 if t == SMALL else 0.1) for t, n in wanted.items())
+        assert cost <= app.budget_usd_per_hr + 1e-9, (clock.now_s(), dict(wanted))
+        running = [i for i in fake.list({}) if i.state == "running"]
+        assert running, clock.now_s()
+
     def tick(seconds: int) -> None:
-        for _ in range(seconds):
-            clock.advance(1.0)
-            tuner.tick()
-            reconciler.run_once()
-            fake.step()
-            app = store.get_app(APP)
-            wanted = tuner.desired_fleet(app)
-            cost = sum(n * (0.05 if t == SMALL else 0.1) for t, n in wanted.items())
-            assert cost <= app.budget_usd_per_hr + 1e-9, (clock.now_s(), dict(wanted))
-            running = [i for i in fake.list({}) if i.state == "running"]
-            assert running, clock.now_s()
+        run_ticks(clock, tuner, reconciler, fake, seconds, within_and_serving)
 
     tick(5)
     rates.append((clock.now_s(), 60.0))
@@ -424,11 +440,7 @@ def test_a_mix_change_stops_the_old_mix_only_once_the_new_one_serves(
     )
 
     def tick(seconds: int) -> None:
-        for _ in range(seconds):
-            clock.advance(1.0)
-            tuner.tick()
-            reconciler.run_once()
-            fake.step()
+        run_ticks(clock, tuner, reconciler, fake, seconds)
 
     def serving(name: str) -> int:
         return sum(1 for i in fake.list({}) if i.instance_type == name and i.state == "running")
