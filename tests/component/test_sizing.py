@@ -178,6 +178,22 @@ def test_a_ladder_ends_below_the_serving_processs_capacity(store: Store, tmp_pat
         plan_app(resolved, scale_trace(planning, 3.0 * RATE_QPS), seed=0)
 
 
+def small_and_large_fleet(
+    store: Store, clock: FakeClock, tuner: LiveTuner
+) -> tuple[FakeProvisioner, Reconciler]:
+    """The fake provisioner and the reconciler that carries out ``tuner``'s fleet, smalls at
+    $0.05/hr (25 qps) and larges at $0.1/hr (100 qps)."""
+    fake = FakeProvisioner(now=clock.utcnow)
+    reconciler = Reconciler(
+        store,
+        fake,
+        clock,
+        lambda _app: AppPricing({SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0}),
+        desired_fleet=tuner.desired_fleet,
+    )
+    return fake, reconciler
+
+
 def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path) -> None:
     # Planned at 5 qps; one instance serves far more. 56 queries inside one second, once.
     applied_plan(store, tmp_path, 5.0, budget=1.0)
@@ -195,14 +211,7 @@ def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path
     record = store.get_applied_plan(APP)
     assert record is not None
     planned = {t: n for t, n in record.plan.stages[0].fleet.items() if n}
-    fake = FakeProvisioner(now=clock.utcnow)
-    reconciler = Reconciler(
-        store,
-        fake,
-        clock,
-        lambda _app: AppPricing({SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0}),
-        desired_fleet=tuner.desired_fleet,
-    )
+    fake, reconciler = small_and_large_fleet(store, clock, tuner)
     reconciler.run_once()
     launched_at_start = len(fake.list({}))
     assert launched_at_start == sum(planned.values())
@@ -346,14 +355,7 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
             work()
 
     tuner = LiveTuner(store, clock, seen, resolve, submit=submit)
-    fake = FakeProvisioner(now=clock.utcnow)
-    reconciler = Reconciler(
-        store,
-        fake,
-        clock,
-        lambda _app: AppPricing({SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0}),
-        desired_fleet=tuner.desired_fleet,
-    )
+    fake, reconciler = small_and_large_fleet(store, clock, tuner)
 
     def within_and_serving() -> None:
         app = store.get_app(APP)
