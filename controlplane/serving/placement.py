@@ -76,21 +76,29 @@ logger = logging.getLogger(__name__)
 
 
 def policy_name(
-    plan: StagePlan | None, profiles: Mapping[str, LatencyProfile], slo_ms: float
+    plan: StagePlan | None,
+    profiles: Mapping[str, LatencyProfile],
+    slo_ms: float,
+    prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> tuple[str, list[str]]:
     """The dispatch policy of a stage over the instance types in ``profiles`` and its base
     types: the plan's when it names one, else the planner's rule (FCFS for one type; Kairos over
     a mix); a policy that needs a base type runs when a type serves the whole batch range within
-    the SLO (the most cost-effective first), else FCFS. The base types are in the plan's order
-    (``StagePlan.base_types``, what the planner simulated), those of them the stage has; types
-    the plan does not rank (a type the tuner added, an older plan) follow by name."""
+    the SLO, else FCFS. The base types are in the plan's order (``StagePlan.base_types``, what
+    the planner simulated), those of them the stage has; types the plan does not rank (no plan
+    yet, an older plan, a type the tuner added) follow the planner's rule, the most throughput
+    per USD/hr first (Kairos' base-type rule, at batch size 1) where ``prices_usd_per_hr``
+    prices every type, else by name."""
     types = sorted(profiles)
     if len(types) <= 1:
         return SINGLE_TYPE_POLICY, types
     wanted = (plan.policy if plan is not None else None) or MIX_POLICY
     if not policy_class(wanted).needs_base_type:
         return wanted, types
-    base = full_range_types(profiles, np.array([1]), slo_ms)
+    prices = None
+    if prices_usd_per_hr is not None and all(t in prices_usd_per_hr for t in types):
+        prices = {t: prices_usd_per_hr[t] for t in types}
+    base = full_range_types(profiles, np.array([1]), slo_ms, prices)
     if plan is not None:
         base = plan.in_base_order(base)
     if base:
@@ -116,7 +124,9 @@ def build_stage(stage: ServingStage, workers: Sequence[Worker], config: AppConfi
     key = (*types, str(config.version))
     if types and key != stage.policy_key:
         used = {t: profiles[t] for t in types}
-        name, base = policy_name(config.stage_plans.get(stage.model), used, config.slo_ms)
+        name, base = policy_name(
+            config.stage_plans.get(stage.model), used, config.slo_ms, config.prices_usd_per_hr
+        )
         stage.policy = policy_factory(name, used, base)()
         stage.policy_name = name
         stage.policy_key = key

@@ -23,11 +23,12 @@ from controlplane.serving.admission import (
     predicted_latency_ms,
     wait_ms,
 )
-from controlplane.serving.config import DispatcherSettings
+from controlplane.serving.config import AppConfig, DispatcherSettings
 from controlplane.serving.dispatcher import policy_name
 from controlplane.serving.health import Health
 from controlplane.serving.modelio import ModelIO
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
+from controlplane.serving.placement import Placement
 from controlplane.serving.stages import LatencyTable, ServingStage, Slot
 from controlplane.serving.states import (
     StateTracker,
@@ -37,9 +38,11 @@ from controlplane.serving.states import (
 )
 from controlplane.serving.transport import _Answer, _Channel, answer_error
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
+from estimator.cascades import Cascade
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
 from matching import admission as matching_admission
+from matching.kairos import KairosPolicy
 from matching.policy import QueuedQuery
 from matching.queues import CentralQueue
 
@@ -426,6 +429,34 @@ def test_the_stage_policy_follows_the_planners_rule() -> None:
     assert name == "kairos" and base
     assert policy_name(StagePlan("m", Fleet.of({}), 1, policy="fcfs"), mix, 100.0)[0] == "fcfs"
     assert policy_name(None, mix, 1.0)[0] == "fcfs"  # no type serves the range within the SLO
+
+
+def test_types_no_plan_ranks_take_the_kairos_base_by_throughput_per_dollar() -> None:
+    # Both types serve the whole range within the SLO; "a" is 4x faster and 50x dearer. By
+    # throughput per USD/hr, the planner's rule, "b" is the base: a stage served before any
+    # plan (or on a plan older than base_types) took "a" by its name.
+    mix = {"a": _profile("a", 5.0), "b": _profile("b", 20.0)}
+    prices = {"a": 5.0, "b": 0.1}
+    assert policy_name(None, mix, 100.0, prices) == ("kairos", ["b", "a"])
+    plan = StagePlan("m", Fleet.of({}), 1, policy="kairos", base_types=("a",))
+    assert policy_name(plan, mix, 100.0, prices) == ("kairos", ["a", "b"])  # the plan's first
+    # A type without a price: by name, as without prices.
+    assert policy_name(None, mix, 100.0, {"b": 0.1}) == ("kairos", ["a", "b"])
+    # The live placement builds the stage's policy with the app's prices.
+    config = AppConfig(
+        name="demo",
+        slo_ms=100.0,
+        models=("m",),
+        cascade=Cascade(("m",), ()),
+        profiles={"m": mix},
+        prices_usd_per_hr=prices,
+    )
+    placement = Placement()
+    placement.update([WorkerEndpoint("i-a", "a", "a:1"), WorkerEndpoint("i-b", "b", "b:1")], 0.0)
+    stage = ServingStage("m")
+    placement.place(config, {"m": stage})
+    assert isinstance(stage.policy, KairosPolicy)
+    assert (stage.policy_name, stage.policy.base_type) == ("kairos", "b")
 
 
 def test_the_live_dispatcher_keeps_the_plans_base_type_order() -> None:
