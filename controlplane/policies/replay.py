@@ -1356,13 +1356,18 @@ def _dispatch_factory(
     if dispatch not in allowed:
         what = "not one a plan may name" if dispatch in registry.names() else "unknown"
         raise ReplayError(f"dispatch policy {dispatch!r}: {what} ({' or '.join(allowed)})")
-    base_types = full_range_types(profiles, trace.batch_size, qos_ms, prices)
-    if policy_class(dispatch).needs_base_type and not base_types:
-        raise ReplayError(
-            f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
-        )
-    if plan is not None:
-        base_types = plan.in_base_order(base_types)
+    base_types: list[str] = []
+    if policy_class(dispatch).needs_base_type:
+        base_types = full_range_types(profiles, trace.batch_size, qos_ms, prices)
+        if not base_types:
+            raise ReplayError(
+                f"{dispatch} needs a type that meets the SLO of {qos_ms:g} ms at every batch size"
+            )
+        if plan is not None:
+            base_types = plan.in_base_order(base_types)
+    # A policy that needs no base is given none, as the planner gives it none
+    # (``pipeline.dispatch_choice``): FCFS then serves the fastest idle instance first, as the
+    # live dispatcher does (its slots' speed ranks), not the full-range types' order.
     return by_fleet(dispatch, policy_factory(dispatch, profiles, base_types), profiles, instances)
 
 

@@ -37,7 +37,7 @@ from controlplane.policies.replay import (
 )
 from controlplane.spec import ResolvedApp, load_spec, resolve_spec
 from estimator.batches import parse_batch_distribution
-from estimator.policies import full_range_types, policy_factory
+from estimator.policies import policy_factory
 from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import RateProfile, Trace, renewal_arrivals, step_profile, write_trace_csv
 from tests.conftest import KAIROS_CSV, needs_shared
@@ -142,12 +142,11 @@ def test_with_the_tuner_off_the_replay_is_a_plain_simulation(tmp_path: Path) -> 
 
     profiles = {GPU: app.profile("m", GPU), CPU: app.profile("m", CPU)}
     prices = dict(app.prices_usd_per_hr)
-    base = full_range_types(profiles, trace.batch_size, SLO_MS, prices)
     stage = Stage(
         "m",
         tuple(InstanceSpec(name) for name in plan.stages[0].fleet.expand()),
         profiles,
-        policy_factory("fcfs", profiles, base)(),
+        policy_factory("fcfs", profiles, [])(),  # the planner's FCFS: the fastest idle first
     )
     plain = simulate(trace, [stage], np.random.default_rng(3), prices_usd_per_hr=prices)
 
@@ -223,6 +222,20 @@ def test_a_fleet_of_one_type_is_dispatched_fcfs_whatever_the_plan_names(tmp_path
     late, early = both[0].arrival_s > 35.0, both[0].arrival_s < 25.0
     assert np.array_equal(both[0].finish_s[late], both[1].finish_s[late])
     assert not np.array_equal(both[0].finish_s[early], both[1].finish_s[early])
+
+
+def test_fcfs_replays_the_fastest_idle_instance_first_as_served_live(tmp_path: Path) -> None:
+    # docs/replay.md: FCFS serves the fastest idle instance first, as the live dispatcher (its
+    # slots' speed ranks) and the planner do. The replay gave FCFS the full-range types as its
+    # preferred order, the most throughput per dollar first: at a load one instance serves,
+    # every query went to the slower CPU while the GPU stood idle.
+    app = app_of(tmp_path)
+    stage = parse_plan(plan_document({GPU: 1, CPU: 1}, policy="fcfs")).stages[0]
+    mix = FleetTimeline((InstanceSpec(CPU), InstanceSpec(GPU)))
+    trace = trace_of(step_profile(2.0, 2.0, 0.0), 30.0)  # one query every 0.5 s
+    run = replay_timeline(trace, app, stage, mix, np.random.default_rng(0), admission=False)
+    assert len(trace) > 10
+    assert set(run.simulation.instance.tolist()) == {1}  # the GPU
 
 
 def test_kairos_takes_its_base_in_the_plans_order(tmp_path: Path) -> None:
