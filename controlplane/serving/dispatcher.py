@@ -124,7 +124,7 @@ from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade
 from estimator.policies import policy_factory
-from matching.policy import QueuedQuery, StageContext
+from matching.policy import DispatchPolicy, QueuedQuery, StageContext
 
 __all__ = [
     "AppConfig",
@@ -759,14 +759,7 @@ class AppDispatcher:
         try:
             dispatches = policy.dispatch(now, queue, slots, context)
         except Exception:
-            # A policy that cannot decide must not stall the stage: FCFS over the same
-            # instances decides from now on (logged: it is a bug to look into).
-            logger.exception(
-                "%s: policy %s failed; %s falls back to fcfs", self.app, policy.name, stage.model
-            )
-            types = sorted(stage.latency)
-            stage.policy = policy = policy_factory("fcfs", {}, types)()
-            stage.policy_name = "fcfs"
+            policy = self._fall_back(stage, policy, "dispatch")
             dispatches = policy.dispatch(now, queue, slots, context)
         for dispatch in dispatches:
             slot = by_index.get(dispatch.instance_index)
@@ -805,6 +798,22 @@ class AppDispatcher:
                 self._start(stage, slot, parts, now, turnaround_ms)
         if not queue:
             stage.drain.emptied()
+
+    def _fall_back(self, stage: _Stage, policy: DispatchPolicy, failed: str) -> DispatchPolicy:
+        """A policy that raised (in its ``failed`` method: ``dispatch`` or ``observe``) must
+        neither stall its stage nor lose the answers of a batch: FCFS over the same instances
+        decides from now on (logged once: it is a bug to look into)."""
+        logger.exception(
+            "%s: policy %s failed in %s; %s falls back to fcfs",
+            self.app,
+            policy.name,
+            failed,
+            stage.model,
+        )
+        fallback = policy_factory("fcfs", {}, sorted(stage.latency))()
+        stage.policy = fallback
+        stage.policy_name = "fcfs"
+        return fallback
 
     def _in_time(
         self, stage: _Stage, worker: Worker, parts: list[_Part], now: float
@@ -912,8 +921,12 @@ class AppDispatcher:
             self.observations.batch_served(
                 self.app, stage.model, worker.instance_type, batch, round_trip_ms + turnaround_ms
             )
-        if stage.policy is not None and worker.instance_type in stage.latency:
-            stage.policy.observe(worker.instance_type, batch, round_trip_ms)
+        policy = stage.policy
+        if policy is not None and worker.instance_type in stage.latency:
+            try:
+                policy.observe(worker.instance_type, batch, round_trip_ms)
+            except Exception:  # the batch's answers still go out (below)
+                self._fall_back(stage, policy, "observe")
         measured_ms = reply.served_ms if reply.served_ms is not None else round_trip_ms
         tracker = self.tracker
         tracker.observe(stage.model, worker.instance_id, now, measured_ms, predicted_ms)

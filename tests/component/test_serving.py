@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import math
 import time
 from collections import Counter
@@ -57,6 +58,9 @@ from controlplane.settings import Settings
 from estimator.cascades import Cascade
 from estimator.fleet import Fleet
 from estimator.profiles import LatencyProfile
+from matching import registry
+from matching.fcfs import FcfsPolicy
+from matching.policy import Dispatch
 from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
 from tests.fake_worker import FakeWorker
@@ -798,6 +802,56 @@ def test_a_stage_whose_only_worker_dies_borrows_the_other_stages_workers() -> No
         await dispatcher.close()
 
     run(scenario())
+
+
+class _FailsToDecide(FcfsPolicy):
+    """FCFS whose every decision raises (a policy's bug)."""
+
+    name = "test-fails-to-decide"
+
+    def dispatch(self, *args: Any) -> list[Dispatch]:
+        raise ValueError("cannot decide")
+
+
+class _FailsToLearn(FcfsPolicy):
+    """FCFS whose learning from a served batch raises (a policy's bug)."""
+
+    name = "test-fails-to-learn"
+
+    def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
+        raise ValueError("cannot learn")
+
+
+@pytest.mark.parametrize("broken", [_FailsToDecide, _FailsToLearn])
+def test_a_policy_that_raises_falls_back_to_fcfs_once_and_every_query_is_answered(
+    broken: type[FcfsPolicy], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A policy whose ``dispatch`` or ``observe`` raises: FCFS decides from then on, said once,
+    and no query is lost. (A raising ``observe`` lost the answers of the batch it learnt from,
+    and the stage stalled with queries queued and its workers idle.)"""
+    monkeypatch.setitem(registry.POLICIES, broken.name, broken)
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE], delay_s=0.002)
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 1, policy=broken.name)}
+        dispatcher = await dispatcher_over(
+            workers, config(models=("tiny",), stage_plans=plan), admission=False
+        )
+        assert dispatcher.status().stages[0].policy == broken.name
+        futures = [dispatcher.submit([row(q % 10, 0.9)]) for q in range(12)]
+        results = await asyncio.wait_for(settle(futures), 10.0)
+        assert [r.outputs for r in results if isinstance(r, InferResult)] == [
+            (q % 10,) for q in range(12)
+        ], results
+        assert dispatcher.status().stages[0].policy == "fcfs"
+        await dispatcher.close()
+        for worker in workers:
+            await worker.stop()
+
+    with caplog.at_level(logging.ERROR, logger="controlplane.serving.dispatcher"):
+        run(scenario())
+    said = [r for r in caplog.records if "falls back to fcfs" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
 
 
 # --- the API around the serving loop ---------------------------------------------------------
