@@ -724,9 +724,11 @@ def reconcile(
     risen = rise.types
     choices = _Ranked(ranked, prices_usd_per_hr, spot_prices, values)
     moving: list[_Row] = []
+    # A risen type may also move to itself on demand, unless the provider is short of it.
+    blocked = frozenset(short_types) | frozenset(held_types)
     if risen and desired is not None and not rise.over_budget:
         kept, moving = _move_before_break(
-            kept, rows, rise, choices, unavailable | risen, desired, notices or {}, actions
+            kept, rows, rise, choices, unavailable | risen, desired, notices or {}, actions, blocked
         )
         leaving += moving
     spared: list[_Row] = []
@@ -737,7 +739,7 @@ def reconcile(
         leaving += drained  # paid for until they go (rule 9 ends them once drained)
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions, app)
     if risen and desired is not None and not moving:
-        kept = _move_off_risen(kept, rise, choices, unavailable | risen, actions)
+        kept = _move_off_risen(kept, rise, choices, unavailable | risen, actions, blocked)
     # The hard cap at the prices now, with what is leaving (rule 9) paid for until it goes.
     leaving = _shed_leaving(kept, leaving, budget_usd_per_hr - reserved, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
@@ -1679,6 +1681,7 @@ def _move_before_break(
     desired: Mapping[str, int],
     notices: Mapping[str, datetime],
     actions: list[Action],
+    blocked: Collection[str] = (),
 ) -> tuple[list[_Row], list[_Row]]:
     """Rule 10's move while the fleet is still within the budget (past its headroom): the kept
     spot rows of a risen type for which the plan's ranking has a cheaper choice that serves as
@@ -1701,7 +1704,10 @@ def _move_before_break(
         ]
         if price_now is None or not own:
             continue
-        choice = _cheaper_choice(instance_type, price_now, ranked, unavailable)
+        own_on_demand = instance_type not in blocked
+        choice = _cheaper_choice(
+            instance_type, price_now, ranked, unavailable, own_on_demand=own_on_demand
+        )
         if choice is None:
             continue
         price = choice.count * choice.price_usd_per_hr  # for one of the risen type
@@ -1825,6 +1831,10 @@ def _units(rows: Iterable[_Row]) -> float:
     return float(sum(row.share for row in rows))
 
 
+# A market in words ("on on demand" was what the move's decisions said).
+_ON_MARKET = {"spot": "on spot", "on-demand": "on demand"}
+
+
 @dataclass(frozen=True, slots=True)
 class _Choice:
     """Rule 10's move for one instance of a risen type: ``count`` instances of
@@ -1838,7 +1848,7 @@ class _Choice:
     def describe(self) -> str:
         each = " each" if self.count > 1 else ""
         return (
-            f"{self.count} x {self.instance_type} on {self.market.replace('-', ' ')} at"
+            f"{self.count} x {self.instance_type} {_ON_MARKET.get(self.market, self.market)} at"
             f" {plain(self.price_usd_per_hr)} USD/hr{each}"
         )
 
@@ -1848,14 +1858,23 @@ def _cheaper_choice(
     price_now_usd_per_hr: float,
     ranked: _Ranked,
     unavailable: Collection[str],
+    *,
+    own_on_demand: bool = False,
 ) -> _Choice | None:
     """Rule 10's move: the cheapest way to serve as much as one ``instance_type`` for less than
     ``price_now_usd_per_hr``, among the types of its ranking that are not ``unavailable`` (short,
     under notice, risen itself): one of a type that serves at least as much, or k of a type
     that serves less where k of it serve as much (Q_t known for both), each on spot (below its
-    on-demand price) or on demand. The cheapest in all (fewer instances, then the ranking's
-    order, among equals); None when none costs less."""
+    on-demand price) or on demand; with ``own_on_demand`` (the provider is not short of it),
+    also ``instance_type`` itself on demand (it serves exactly as much: a spot price risen past
+    the type's own on-demand price is no reason to pay it). The cheapest in all (fewer
+    instances, then the ranking's order, the type itself last, among equals); None when none
+    costs less."""
     found = []
+    own = ranked.prices_usd_per_hr.get(instance_type)
+    if own_on_demand and own is not None and math.isfinite(own) and own >= 0:
+        last = len(ranked.ranking.get(instance_type, ())) + 1
+        found.append((own, 1, last, 1, _Choice(instance_type, "on-demand", own)))
     for rank, (other, on_demand, spot, count) in enumerate(
         ranked.sized(instance_type, unavailable)
     ):
@@ -1876,6 +1895,7 @@ def _move_off_risen(
     ranked: _Ranked,
     unavailable: Collection[str],
     actions: list[Action],
+    blocked: Collection[str] = (),
 ) -> list[_Row]:
     """Rule 10's move: a spot price rise took the fleet past the budget less its headroom. The
     kept spot rows of a risen type for which the plan's ranking has a type that serves as much
@@ -1897,7 +1917,13 @@ def _move_off_risen(
         if price_now is None:
             continue
         if instance_type not in moves:
-            cheaper = _cheaper_choice(instance_type, price_now, ranked, unavailable)
+            cheaper = _cheaper_choice(
+                instance_type,
+                price_now,
+                ranked,
+                unavailable,
+                own_on_demand=instance_type not in blocked,
+            )
             if cheaper is None:
                 continue
             moves[instance_type] = cheaper

@@ -274,3 +274,46 @@ def test_a_rise_moves_one_large_instance_to_smaller_ones_that_together_serve_as_
         assert_a_restart_changes_nothing(world)
     finally:
         world.close()
+
+
+@pytest.mark.parametrize(
+    ("budget", "headroom", "before_break"), [(0.19, 0.1, False), (0.35, 0.5, True)]
+)
+def test_a_spot_price_risen_past_its_own_on_demand_price_moves_that_type_on_demand(
+    template_db: Path, tmp_path: Path, budget: float, headroom: float, before_break: bool
+) -> None:
+    # The large type costs far more on spot and on demand than a small one: no other type is
+    # a cheaper choice. The small one's spot price rises to 0.06, past its own on-demand price
+    # (0.05), and the fleet (0.18) past the budget less its headroom: the same type on demand
+    # serves exactly as much for less. (A tester's sweep saw the three stay on spot, paying
+    # 0.06 for what costs 0.05 on demand, every tick's decision saying that they "move to
+    # cheaper choices"; a further rise to 0.07 then drained one, capacity lost, where three on
+    # demand fitted the budget.)
+    spot_prices = {SMALL: 0.015, LARGE: 0.5}
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(
+        template_db, tmp_path, budget, spot_prices, prices=prices, headroom_share=headroom
+    )
+    try:
+        world.serve_three_small_on_spot()
+        spot_prices[SMALL] = 0.06
+
+        actions = world.tick()
+
+        assert launches(actions) == [(SMALL, "on-demand", None)] * 3
+        for _ in range(6):
+            world.tick()  # the cap at the prices now, every tick
+            if before_break:  # made before the risen ones go: never fewer than three serving
+                assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert world.kept() == [(SMALL, "on-demand")] * 3
+        assert world.cost_now() == pytest.approx(0.15)
+        if not before_break:  # the move's decision, in words ("on on demand" before)
+            (moved,) = world.store.list_decisions(APP, kinds=["terminate"])
+            assert moved.numbers["cause"] == "spot_price"
+            assert "1 x emu.cpu.small on demand at 0.05 USD/hr" in moved.reason, moved.reason
+        # A further rise changes nothing: nothing is left on spot to pay it.
+        spot_prices[SMALL] = 0.07
+        assert not launches(world.tick())
+        assert world.kept() == [(SMALL, "on-demand")] * 3
+    finally:
+        world.close()
