@@ -439,6 +439,8 @@ class SpotRepriced:
     fleet_cost_usd_per_hr: float
     budget_usd_per_hr: float
     threshold_usd_per_hr: float | None = None
+    # How many of them the tick moves to a cheaper choice (None: not decided, as before a move).
+    moved: int | None = None
 
     @property
     def risen(self) -> bool:
@@ -738,8 +740,21 @@ def reconcile(
         )
         leaving += drained  # paid for until they go (rule 9 ends them once drained)
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions, app)
+    moved = Counter(row.record.instance_type for row in moving)
     if risen and desired is not None and not moving:
-        kept = _move_off_risen(kept, rise, choices, unavailable | risen, actions, blocked)
+        staying_ids = {
+            row.id
+            for row in _move_off_risen(kept, rise, choices, unavailable | risen, actions, blocked)
+        }
+        moved.update(row.record.instance_type for row in kept if row.id not in staying_ids)
+        kept = [row for row in kept if row.id in staying_ids]
+    if risen:  # what the spot_price decisions say follows: a move, or none
+        actions[:] = [
+            dataclasses.replace(a, moved=moved[a.instance_type])
+            if isinstance(a, SpotRepriced)
+            else a
+            for a in actions
+        ]
     # The hard cap at the prices now, with what is leaving (rule 9) paid for until it goes.
     leaving = _shed_leaving(kept, leaving, budget_usd_per_hr - reserved, actions)
     kept = _fit_budget(kept, budget_usd_per_hr, values, stages, actions)
@@ -2742,10 +2757,15 @@ class Reconciler:
         elif isinstance(action, SpotRepriced):
             if action.over_budget:
                 then = "; over it: the least cost-effective instances are drained and replaced"
-            elif action.past_threshold and action.risen:
+            elif action.past_threshold and action.risen and action.moved:
                 then = (
-                    f"; {action.why()}: the risen spot capacity moves to cheaper choices before"
+                    f"; {action.why()}: {action.moved} of them move to cheaper choices before"
                     " the budget is breached"
+                )
+            elif action.past_threshold and action.risen and action.moved is not None:
+                then = (
+                    f"; {action.why()}: no choice of the plan's ranking serves as much for less,"
+                    " so they stay (the budget guard holds the fleet to the budget)"
                 )
             else:
                 then = ""
@@ -2769,6 +2789,7 @@ class Reconciler:
                         if action.threshold_usd_per_hr is None
                         else round(action.threshold_usd_per_hr, 9)
                     ),
+                    "moved": action.moved,
                 },
                 key=f"{action.instance_type}:{action.price_usd_per_hr:g}",
             )

@@ -317,3 +317,35 @@ def test_a_spot_price_risen_past_its_own_on_demand_price_moves_that_type_on_dema
         assert world.kept() == [(SMALL, "on-demand")] * 3
     finally:
         world.close()
+
+
+def test_a_spot_price_decision_says_a_move_only_where_the_tick_moves_capacity(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # Three small ones on spot. Their spot price rises to 0.045: the fleet (0.135) is past the
+    # budget of 0.14 less its headroom (0.126), but no choice serves as much for less (a large
+    # one costs 0.2 on spot, a small one 0.05 on demand): nothing moves, and the decision says
+    # so. (A tester's sweep saw every such tick's decision say that the risen capacity "moves to
+    # cheaper choices before the budget is breached" while nothing moved.)
+    spot_prices = {SMALL: 0.015, LARGE: 0.2}
+    prices = {SMALL: 0.05, LARGE: 0.4}
+    world = PricedWorld(template_db, tmp_path, 0.14, spot_prices, prices=prices)
+    try:
+        world.serve_three_small_on_spot()
+        spot_prices[SMALL] = 0.045
+        assert not launches(world.tick())
+        assert world.kept() == [(SMALL, "spot")] * 3
+        decision = world.store.list_decisions(APP, kinds=["spot_price"])[-1]
+        assert "less its headroom" in decision.reason
+        assert "move to cheaper choices" not in decision.reason, decision.reason
+        assert "no choice of the plan's ranking serves as much for less" in decision.reason
+        assert decision.numbers["moved"] == 0
+
+        # The large type's spot price falls to 0.03: the next tick moves the three, and says so.
+        spot_prices[LARGE] = 0.03
+        assert launches(world.tick()) == [(LARGE, "spot", SMALL)] * 3
+        decision = world.store.list_decisions(APP, kinds=["spot_price"])[-1]
+        assert "3 of them move to cheaper choices before the budget" in decision.reason
+        assert decision.numbers["moved"] == 3
+    finally:
+        world.close()
