@@ -1495,6 +1495,25 @@ def test_instances_fleet_and_events(api: Api) -> None:
     assert budget["fleet_cost_usd_per_hr"] == pytest.approx(0.526)
 
 
+def test_the_fleet_and_budget_costs_read_without_float_noise(api: Api) -> None:
+    # Three instances at 0.1 USD/hr: the fleet costs 0.3, not 0.30000000000000004 (a tester's
+    # sweep read that against a budget of 0.3: over it, to a client that compares), and a type's
+    # mean price 0.1, not 0.10000000000000002.
+    api.register()
+    for i in range(3):
+        row = api.store.record_instance(
+            "toy", request_id=f"r{i}", instance_type="t3.xlarge", price_usd_per_hr=0.1
+        )
+        api.store.transition_instance(row.id, "pending", reason="booting", provider_id=f"i-{i}")
+        api.store.transition_instance(row.id, "running", reason="healthy")
+    fleet = api.call("GET", "/v1/apps/toy/fleet", "viewer").json()
+    assert fleet["cost_usd_per_hr"] == 0.3
+    assert fleet["by_type"][0]["price_usd_per_hr"] == 0.1
+    assert fleet["by_type"][0]["cost_usd_per_hr"] == 0.3
+    budget = api.call("GET", "/v1/apps/toy/budget", "viewer").json()
+    assert budget["fleet_cost_usd_per_hr"] == 0.3
+
+
 def test_metric_series(api: Api) -> None:
     api.register()
     for i in range(3):
