@@ -383,11 +383,14 @@ class Report:
 
 @dataclass(frozen=True, slots=True)
 class BudgetCapped:
-    """Launches the desired fleet needs that the budget does not allow (type -> count)."""
+    """Launches the desired fleet needs that the budget does not allow (type -> count), and
+    what one of each would cost (type -> its price and market: a type of a spot plan may be
+    capped on demand)."""
 
     wanted: Mapping[str, int]
     committed_usd_per_hr: float
     budget_usd_per_hr: float
+    each: Mapping[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1552,6 +1555,7 @@ def _launch_shortfall(
     # nothing does not read the ids of the app's whole history).
     ordinal = first_ordinal() if wanted else 0
     capped: Counter[str] = Counter()
+    capped_at: dict[str, tuple[float, str]] = {}
     unavailable = set(short_types) | set(held_types)
     for instance_type, on_demand_price in wanted:
         spot_price = spot_now.get(instance_type)
@@ -1624,6 +1628,7 @@ def _launch_shortfall(
             continue
         if price > room:
             capped[instance_type] += 1
+            capped_at[instance_type] = (price, "spot" if on_spot else "on-demand")
             continue
         committed += price
         if on_spot:
@@ -1645,7 +1650,9 @@ def _launch_shortfall(
             committed += row.record.price_usd_per_hr
             actions.append(_launch_again(row))
     if capped:
-        actions.append(BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr))
+        actions.append(
+            BudgetCapped(dict(sorted(capped.items())), committed, budget_usd_per_hr, capped_at)
+        )
     return actions
 
 
@@ -1848,6 +1855,20 @@ def _units(rows: Iterable[_Row]) -> float:
 
 # A market in words ("on on demand" was what the move's decisions said).
 _ON_MARKET = {"spot": "on spot", "on-demand": "on demand"}
+
+
+def _capped_words(instance_type: str, count: int, each: tuple[float, str] | None) -> str:
+    """A budget cap's launches in words, with what one costs where known: "1 x emu.cpu.large
+    (on demand at 0.1 USD/hr)". Without the price, a fleet at 0.21 of a budget of 0.3 read as
+    having room for the type's spot price (0.03), while the launch capped was on demand."""
+    if each is None:
+        return f"{count} x {instance_type}"
+    price, market = each
+    several = " each" if count > 1 else ""
+    return (
+        f"{count} x {instance_type} ({_ON_MARKET.get(market, market)} at"
+        f" {plain(price)} USD/hr{several})"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -2706,7 +2727,9 @@ class Reconciler:
                 app.name,
                 "budget_capped",
                 f"not launched within the budget of {plain(action.budget_usd_per_hr)} USD/hr: "
-                + ", ".join(f"{n} x {t}" for t, n in action.wanted.items())
+                + ", ".join(
+                    _capped_words(t, n, action.each.get(t)) for t, n in action.wanted.items()
+                )
                 + f" (the fleet already costs {action.committed_usd_per_hr:.3f} USD/hr)",
                 {
                     "wanted": dict(action.wanted),

@@ -349,3 +349,25 @@ def test_a_spot_price_decision_says_a_move_only_where_the_tick_moves_capacity(
         assert decision.numbers["moved"] == 3
     finally:
         world.close()
+
+
+def test_a_budget_cap_says_the_price_and_market_of_what_it_did_not_launch(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # The plan: three large ones, two on spot (0.03 each) and one on demand (0.1). The budget
+    # of 0.12 pays for the two on spot (0.06), not the one on demand next to them: the cap's
+    # decision says what that launch would have cost, on which market. (A tester's sweep read
+    # "1 x emu.cpu.large (the fleet already costs 0.210 USD/hr)" under a budget of 0.3, with
+    # large ones at 0.03 on spot: room for one, it seemed; the one capped was on demand.)
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.12, spot_prices)
+    try:
+        apply_spot_plan(world.store, {LARGE: 3}, {LARGE: 2})
+        for _ in range(3):
+            world.tick()
+        assert world.kept() == [(LARGE, "spot")] * 2
+        (capped,) = world.store.list_decisions(APP, kinds=["budget_capped"])
+        assert "1 x emu.cpu.large (on demand at 0.1 USD/hr)" in capped.reason, capped.reason
+        assert "the fleet already costs 0.060 USD/hr" in capped.reason
+    finally:
+        world.close()
