@@ -707,7 +707,9 @@ def reconcile(
     )
     kept = [row for row in rows if row.state in _KEPT and row.id not in doomed]
     if teardown:
-        _tear_down(kept, actions)
+        # The rows serving on under a notice until their replacement does go too: none will
+        # be launched now (they were left serving, billed, until near their deadline).
+        _tear_down(kept + [row for row in rows if row.id in doomed], actions)
         return actions
     profiling = [row for row in kept if _profiling(row)]
     kept = [row for row in kept if not _profiling(row)]

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from controlplane.apps import teardown
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
 from controlplane.loops.reconciler import (
@@ -491,3 +492,27 @@ def test_a_spot_price_read_that_keeps_failing_is_logged_once_a_minute(
         ]
     finally:
         world.store.close()
+
+
+def test_app_down_while_a_noticed_instance_waits_for_its_replacement_takes_it_down_too(
+    roomy: World,
+) -> None:
+    # Two small ones; one gets a notice of two minutes and serves on until its replacement
+    # does. The app goes down before the replacement serves: every instance goes at once, the
+    # noticed one too. (A tester's sweep saw `app down` terminate the others and the replacement
+    # and leave the noticed one serving, billed, until near its deadline: it was no longer
+    # "kept", and the teardown ends the kept ones.)
+    roomy.serve({SMALL: 2})
+    doomed = roomy.rows("running")[0]
+    roomy.fake.never_run(SMALL)  # the replacement boots on: it does not serve yet
+    roomy.fake.interrupt(doomed, 120.0)
+    actions = roomy.tick(1.0)
+    assert [a.instance_type for a in actions if isinstance(a, Launch)] == [SMALL]
+    assert doomed in roomy.rows("running")  # it serves on until the replacement does
+
+    teardown.request_teardown(roomy.store, APP, who="test")
+    roomy.tick(1.0)
+
+    live = roomy.store.list_instances(APP, states=["requested", "pending", "running", "draining"])
+    assert live == [], [(i.provider_id, i.state) for i in live]
+    assert doomed in roomy.rows("terminating") + roomy.rows("terminated")
