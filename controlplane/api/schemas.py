@@ -483,6 +483,11 @@ class InstanceOut(BaseModel):
     instance_type: str
     state: str
     price_usd_per_hr: float = Field(description="the price it was launched at, USD/hr")
+    market: str = Field(
+        default="on-demand",
+        description="its purchase option, on-demand or spot (docs/spot.md): which of an app's"
+        " instances an interruption can take",
+    )
     price_now_usd_per_hr: float | None = Field(
         default=None,
         description="a spot instance's price now where its type's spot price moved since the"

@@ -516,3 +516,16 @@ def test_app_down_while_a_noticed_instance_waits_for_its_replacement_takes_it_do
     live = roomy.store.list_instances(APP, states=["requested", "pending", "running", "draining"])
     assert live == [], [(i.provider_id, i.state) for i in live]
     assert doomed in roomy.rows("terminating") + roomy.rows("terminated")
+
+
+def test_the_instances_route_says_which_instances_run_on_spot(roomy: World) -> None:
+    # A plan of three large ones, two on spot: GET /v1/instances (instance_out) says which are
+    # (a tester's sweep could tell them apart only by their prices).
+    from controlplane.api.routes.fleet import instance_out
+
+    roomy.price_spot({LARGE: 0.03})
+    apply_spot_plan(roomy.store, {LARGE: 3}, {LARGE: 2})
+    for _ in range(3):
+        roomy.tick()
+    listed = [instance_out(i).model_dump(mode="json") for i in roomy.store.list_instances(APP)]
+    assert sorted(i["market"] for i in listed) == ["on-demand", "spot", "spot"]
