@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from controlplane.api.routes.fleet import instance_out
 from controlplane.apps import teardown
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
@@ -521,8 +522,6 @@ def test_app_down_while_a_noticed_instance_waits_for_its_replacement_takes_it_do
 def test_the_instances_route_says_which_instances_run_on_spot(roomy: World) -> None:
     # A plan of three large ones, two on spot: GET /v1/instances (instance_out) says which are
     # (a tester's sweep could tell them apart only by their prices).
-    from controlplane.api.routes.fleet import instance_out
-
     roomy.price_spot({LARGE: 0.03})
     apply_spot_plan(roomy.store, {LARGE: 3}, {LARGE: 2})
     for _ in range(3):
