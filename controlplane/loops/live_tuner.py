@@ -133,6 +133,7 @@ from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
 from estimator.errors import EstimatorError
 from estimator.fleet import Fleet
+from estimator.numbers import money
 from estimator.profiles import LatencyProfile
 from estimator.traces import Trace, poisson_arrivals
 
@@ -490,7 +491,7 @@ class LiveTuner:
                     "instance_type": d.instance_type,
                     "count": d.count,
                     # Summed price by price: 0.1 + 0.05 read 0.15000000000000002 in the API.
-                    "cost_usd_per_hr_after": round(d.cost_usd_per_hr_after, 9),
+                    "cost_usd_per_hr_after": money(d.cost_usd_per_hr_after),
                     "at_s": d.at_s,
                     # Which load model sized the stage, and why not the load model if asked.
                     "model": models[d.stage],

@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from controlplane.errors import InvalidTransitionError
+from estimator.numbers import money
 
 __all__ = [
     "BILLED_STATES",
@@ -40,7 +41,6 @@ __all__ = [
     "is_profile_worker",
     "parse_state",
     "profiling_group",
-    "usd_per_hr",
 ]
 
 
@@ -148,11 +148,6 @@ def billed_cost_usd_per_hr(instances: Iterable[_Priced]) -> float:
     """What ``instances`` cost an hour as the budget counts it: those in :data:`BILLED_STATES`,
     each at its price now (a spot instance's moved price, else its launch price: docs/spot.md;
     the fleet route, the budget's, the dashboard's burn and the roll-up all read this)."""
-    return usd_per_hr(sum(i.cost_usd_per_hr for i in instances if str(i.state) in _BILLED_VALUES))
-
-
-def usd_per_hr(value: float) -> float:
-    """A sum of prices as the views show it: rounded to 9 decimals, past the float noise of the
-    sum (three instances at 0.1 read 0.30000000000000004 USD/hr against a budget of 0.3, over
-    it to a client that compares; the decisions' numbers are rounded so too)."""
-    return round(float(value), 9)
+    # Rounded past the float noise of the sum (three instances at 0.1 read 0.30000000000000004
+    # USD/hr against a budget of 0.3, over it to a client that compares).
+    return money(sum(i.cost_usd_per_hr for i in instances if str(i.state) in _BILLED_VALUES))

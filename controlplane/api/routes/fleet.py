@@ -16,9 +16,9 @@ from controlplane.policies.lifecycle import (
     InstanceState,
     billed_cost_usd_per_hr,
     is_profile_worker,
-    usd_per_hr,
 )
 from controlplane.policies.rollout import rollout_of
+from estimator.numbers import money
 
 __all__ = ["instance_out", "router"]
 
@@ -89,7 +89,7 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
                 count=len(instances),
                 # Instances of a type may have been launched at different prices: the mean of
                 # what they cost now (a spot instance at its type's spot price now).
-                price_usd_per_hr=usd_per_hr(sum(prices) / len(instances)),
+                price_usd_per_hr=money(sum(prices) / len(instances)),
                 # What is billed: a terminating instance is listed, not costed (as the budget
                 # guard counts; it read as over the budget while a drained one ended).
                 cost_usd_per_hr=billed_cost_usd_per_hr(instances),
@@ -99,7 +99,7 @@ def get_fleet(app: AppName, services: ServicesDep, _who: Viewer) -> FleetOut:
     return FleetOut(
         app=app,
         budget_usd_per_hr=record.budget_usd_per_hr,
-        cost_usd_per_hr=usd_per_hr(sum(row.cost_usd_per_hr for row in rows)),
+        cost_usd_per_hr=money(sum(row.cost_usd_per_hr for row in rows)),
         instances=len(live),
         by_type=rows,
     )
