@@ -591,7 +591,7 @@ class AppDispatcher:
         """Every model the cascade may send a sample to needs a healthy instance."""
         for model in cascade.models:
             stage = self._stages.get(model)
-            if stage is None or not any(s.worker.healthy for s in stage.slots):
+            if stage is None or not stage.served:
                 workers = self.placement.workers
                 why = "no running worker" if not workers else "no healthy worker serves it"
                 raise NoServingInstanceError(self.app, model, why)
@@ -637,7 +637,7 @@ class AppDispatcher:
         queues were full, and an overload sign of a model that has no instance)."""
         model = request.cascade.models[position]
         stage = self._stages.get(model)
-        if stage is None or any(s.worker.healthy for s in stage.slots):
+        if stage is None or stage.served:
             return False  # a model gone is _enqueue's answer
         self._fail(request, NoServingInstanceError(self.app, model, "no healthy worker"))
         return True
@@ -1070,7 +1070,7 @@ class AppDispatcher:
         with an error now rather than at their give-up time: 502 for those already tried, 503
         for the others (a refusal at arrival would have said the same)."""
         for stage in self._stages.values():
-            if not stage.parts or any(s.worker.healthy for s in stage.slots):
+            if not stage.parts or stage.served:
                 continue
             for part in list(stage.parts.values()):
                 if part.attempts:

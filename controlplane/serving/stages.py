@@ -180,6 +180,11 @@ class ServingStage:
         self.shares: dict[str, float] = {}
         self.lp_utilisation: float | None = None
 
+    @property
+    def served(self) -> bool:
+        """Whether a healthy instance serves the stage (what a query reaching it needs)."""
+        return any(slot.worker.healthy for slot in self.slots)
+
     def rates(self, samples: int, cap: int) -> tuple[float, float]:
         """(:meth:`capacity_sps`, the fastest type's service ms) for queries of ``samples``
         samples at batch cap ``cap``, cached in ``capacity``."""

@@ -174,7 +174,7 @@ class AppVariants:
     def _served(self, cascade: Cascade) -> bool:
         """Whether every model of ``cascade`` has a healthy worker (what a query needs to be let
         in: ``AppDispatcher._check_serving``)."""
-        return all(any(s.worker.healthy for s in self.stages[m].slots) for m in cascade.models)
+        return all(self.stages[m].served for m in cascade.models)
 
     def state(self, cascade: Cascade, loads: Sequence[StageLoad], now_s: float) -> VariantState:
         """The INFaaS state of ``cascade`` at ``loads`` (see the module docstring)."""
