@@ -16,6 +16,10 @@ service runs it in the ``tuner_tick`` job, after the live tuner) it reads, for e
   the load of each model is the arrivals of the last ``window_s`` (INFaaS's monitoring daemon
   reports every 2 s) over ``window_s``, times the share of queries reaching the model (the
   applied plan's ``scale_factor`` of its stage, 1 when absent);
+- what the reconciler's last pass held back of the fleet's drains (an injected
+  :data:`HeldBackSource`, ``Reconciler.held_back``: the instances its guards kept past the fleet
+  the policy wants), which the drain waits for (one drain at a time); a rollout's, a spot move's
+  or an interruption's instances serving beside the fleet are none of it;
 - the app's resolved spec: per model and candidate type, Q_v, the rate one instance serves at
   the plan's batch size (:func:`controlplane.policies.replay.rate_per_instance_qps`; 0 when the
   profile's batch time misses the SLO: INFaaS's Constraint 2), and T_load, the type's start-up
@@ -74,6 +78,7 @@ from controlplane.loops.reached import (
 from controlplane.policies import scaling
 from controlplane.policies.drain import DrainInstance, plan_drain, qps_by_type
 from controlplane.policies.infaas_scaling import (
+    HeldBack,
     OverloadNote,
     ScalerState,
     ScalingConfig,
@@ -94,6 +99,7 @@ from estimator.errors import EstimatorError
 __all__ = [
     "DEFAULT_LOAD_WINDOW_S",
     "ArrivalSource",
+    "HeldBackSource",
     "InfaasScaler",
     "StatusSource",
     "scales_with_infaas",
@@ -110,6 +116,9 @@ ArrivalSource = Callable[[str], NDArray[np.float64] | None]
 """App name -> its recent arrival times (the clock's seconds), ``None`` when nothing observes it."""
 StatusSource = Callable[[], Sequence[AppStatus]]
 """The serving loop's status of every app it serves, as of its last refresh."""
+HeldBackSource = Callable[[str], HeldBack]
+"""App name -> what the reconciler's last pass held back of the fleet's drains
+(:meth:`controlplane.loops.reconciler.Reconciler.held_back`)."""
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 
 # INFaaS's monitoring daemons report every 2 s (section 5): the load is measured over as long.
@@ -181,6 +190,9 @@ class InfaasScaler:
         # fleet it had reached is no longer what runs.
         self._elsewhere: set[str] = set()
         self._lock = threading.Lock()
+        # The reconciler's word on the drains still to be carried out (set where the service
+        # builds the reconciler, after this scaler); None: counted from the instances that serve.
+        self.held_back: HeldBackSource | None = None
 
     def desired_fleet(self, app: AppRecord) -> Mapping[str, int]:
         """Counts by type ``app`` should run: the policy's fleet, or its applied plan's."""
@@ -312,6 +324,7 @@ class InfaasScaler:
             budget_usd_per_hr=app.budget_usd_per_hr,
             max_counts=limits.caps(types),
             overload=overload,
+            held_back=None if self.held_back is None else self.held_back(app.name),
         )
         decisions, state = decide(context, scaled.state, self._config)
         for d in decisions:

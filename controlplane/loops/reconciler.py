@@ -186,6 +186,7 @@ from controlplane.policies.drain import (
     spare_last_serving,
     workers_to_end,
 )
+from controlplane.policies.infaas_scaling import HeldBack
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
@@ -2250,6 +2251,8 @@ class Reconciler:
         # (app, drain_deferred cause) -> (when its episode began, the last pass it was deferred
         # in): deferrals in consecutive passes are one episode, one decision row.
         self._deferrals: dict[tuple[str, str], tuple[datetime, int]] = {}
+        # App -> what its last pass held back of the desired fleet's drains (held_back).
+        self._held_back: dict[str, HeldBack] = {}
         self._passes = 0
         # (app, instance type) -> monotonic time before which it is not launched again.
         self._held_until_s: dict[tuple[str, str], float] = {}
@@ -2425,6 +2428,8 @@ class Reconciler:
             drain_causes=self._drain_causes(rows),
             missing_since=self._note_missing(app.name, rows, observed, now),
         )
+        if desired is not None and observed is not None and not teardown:
+            self._held_back[app.name] = self._held_back_of(app.name, desired, rows, actions)
         errors = _Errors()
         hook = self.before_budget_drain
         if hook is not None and any(
@@ -2519,6 +2524,35 @@ class Reconciler:
             for instance_type in (t for t in planned if spot.get(t, 0) > 0):
                 ranking.setdefault(instance_type, [t for t in order if t != instance_type])
         return ranking
+
+    def held_back(self, app: str) -> HeldBack:
+        """What the last pass over ``app`` (one that read the provider's list and acted on a
+        desired fleet) held back of that fleet's drains: the serving rows rule 5's guards kept
+        past the desired count (the disruption budget, the last serving instance), by the type
+        they are counted as (a stand-in as the type it stands in for). Before any such pass, an
+        empty fleet: a desired fleet no pass has read (INFaaS's autoscaler drains no further
+        until one has, :class:`~controlplane.policies.infaas_scaling.HeldBack`)."""
+        return self._held_back.get(app, HeldBack({}))
+
+    def _held_back_of(
+        self,
+        app: str,
+        desired: Mapping[str, int],
+        rows: Sequence[InstanceRecord],
+        actions: Sequence[Action],
+    ) -> HeldBack:
+        types = {r.id: r.instance_type for r in rows}
+        standing = self._stand_ins.get(app, {})
+        counts = Counter(
+            standing.get(i) or types.get(i, "")
+            for a in actions
+            if isinstance(a, DrainDeferred)
+            for i in a.instance_ids
+        )
+        return HeldBack(
+            {t: int(n) for t, n in desired.items() if n > 0},
+            {t: n for t, n in counts.items() if t and n > 0},
+        )
 
     def _stand_ins_of(self, app: str, rows: Sequence[InstanceRecord]) -> dict[str, str]:
         """Rule 11: the app's live rows that stand in for another type (row id -> that type)."""

@@ -65,12 +65,15 @@ tick:
    (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling
    action within the hold, nothing of it still loading and no drain still to be carried out (the
    test counts every instance that serves: judged on them, a second drain the reconciler had not
-   caught up with took the fleet below the load), is drained: ``infaas_drain``, its count down
-   by one, the most expensive type first (so a cheaper variant that carries the load alone is
-   kept: a downgrade). The hold is the type's, not the instance's: the reconciler picks which
-   instance of the type ends, and an instance's own clock, restarted for the one the decision
-   named, let a cheaper type's older clock win the next drain (an idle app ended on its dearest
-   type). The app keeps at least one instance.
+   caught up with took the fleet below the load; which drains are still to be carried out is the
+   reconciler's word, the context's ``held_back``: the instances it keeps past the fleet's count,
+   or a fleet its last pass has not read yet, not a spot move's or an interruption's
+   replacements or a stand-in serving beside the fleet), is drained: ``infaas_drain``, its
+   count down by one, the most expensive type first (so a cheaper variant that carries the
+   load alone is kept: a downgrade). The hold is the type's, not the instance's: the
+   reconciler picks which instance of the type ends, and an instance's own clock, restarted for
+   the one the decision named, let a cheaper type's older clock win the next drain (an idle app
+   ended on its dearest type). The app keeps at least one instance.
 
 Every decision carries its reason (one line, with the numbers) and the numbers as a mapping.
 
@@ -93,6 +96,7 @@ __all__ = [
     "DEFAULT_DRAIN_UTILISATION",
     "DEFAULT_LOAD_WEIGHT_PER_S",
     "DEFAULT_UTILISATION",
+    "HeldBack",
     "InstanceState",
     "ModelAction",
     "OverloadNote",
@@ -194,11 +198,34 @@ class OverloadNote:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldBack:
+    """What the reconciler's last pass over the app did with the policy's fleet: the fleet it
+    brought the app toward (``fleet``, counts by type, as the policy wanted it then) and, by the
+    type it counts them as (a stand-in as the type it stands in for), the serving instances it
+    kept past that fleet's count (``counts``: rule 5's guards, the disruption budget and the last
+    serving instance). Those are the policy's drains still to be carried out; an instance that
+    serves beside the fleet for the reconciler (a spot move's or an interruption's replacement
+    with the row it replaces, a stand-in of another type) is none of them."""
+
+    fleet: Mapping[str, int]
+    counts: Mapping[str, int] = field(default_factory=dict)
+
+    def pending(self, fleet: Mapping[str, int]) -> bool:
+        """Whether a drain of the policy's (whose fleet is ``fleet`` now) is still to be carried
+        out: the pass has not read ``fleet`` yet (a drain since), or kept instances past it."""
+        wanted = {t: n for t, n in fleet.items() if n > 0}
+        seen = {t: n for t, n in self.fleet.items() if n > 0}
+        return seen != wanted or any(n > 0 for n in self.counts.values())
+
+
+@dataclass(frozen=True, slots=True)
 class ScalingContext:
     """What one tick sees for one app: the time, the measured load of each model (qps: the
     app's arrivals times the share of queries reaching the model), the running instances, the
-    variants, prices, the budget (USD/hr, a hard limit), the spec's caps per type, and, per
-    overloaded model, what its state was judged on."""
+    variants, prices, the budget (USD/hr, a hard limit), the spec's caps per type, per
+    overloaded model what its state was judged on, and what the reconciler still holds back of
+    the policy's drains (``held_back``; ``None``, not known: a type with more instances serving
+    than the fleet wants reads as a drain still to be carried out)."""
 
     app: str
     now_s: float
@@ -209,6 +236,7 @@ class ScalingContext:
     budget_usd_per_hr: float
     max_counts: Mapping[str, int] = field(default_factory=dict)
     overload: Mapping[str, OverloadNote] = field(default_factory=dict)
+    held_back: HeldBack | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -763,11 +791,20 @@ def _drain(
     (every type's count at least the instances of it that serve). Returns whether one was
     drained."""
     ctx, u_drain, now = tick.ctx, tick.config.drain_utilisation, tick.ctx.now_s
-    if any(n > tick.fleet.get(t, 0) for t, n in tick.ready.items()):
+    held = ctx.held_back
+    if (
+        held.pending(tick.fleet)
+        if held is not None
+        else any(n > tick.fleet.get(t, 0) for t, n in tick.ready.items())
+    ):
         # A drain the reconciler has not carried out yet (the disruption budget deferred it):
         # the underused test counts every instance that serves, so a second drain judged on
         # them took the fleet below the load (4 serving, 20 qps on Q 10: "20 qps on 30 qps
-        # left" three times, down to one instance). The next drain waits for it.
+        # left" three times, down to one instance). The next drain waits for it. What the
+        # reconciler says it holds back is that drain; counted from the instances that serve,
+        # a spot move's or an interruption's replacement serving beside the row it replaces,
+        # or a stand-in of a type the fleet does not name, read as one too, and no drain came
+        # while they served (a stand-in stays: never again).
         return False
     loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in tick.models}
     total = sum(tick.fleet.values())

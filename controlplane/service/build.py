@@ -857,6 +857,9 @@ def build_service(
     )
     # A spot price rise past the budget moves the gear as a budget cut does (docs/spot.md).
     live_gears.spot_prices = reconciler.spot_prices_now
+    # INFaaS's drain waits for the one the reconciler still holds back, not for what serves
+    # beside the fleet (a spot move's, an interruption's replacements, a stand-in).
+    infaas_scaler.held_back = reconciler.held_back
     replanner = CapacityReplanner(
         store,
         stored_apps(resolver, launchable),

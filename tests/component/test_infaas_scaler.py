@@ -590,3 +590,60 @@ def test_a_drain_the_disruption_budget_defers_is_not_drained_past(tmp_path: Path
         assert kinds(store).count("infaas_drain") == 2
         assert "infaas_replicate" not in kinds(store)
         assert len(store.list_instances(APP, states=["running"])) == 3
+
+
+def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_the_fleet(
+    tmp_path: Path,
+) -> None:
+    """The case above with the scaler reading the reconciler's word on what it holds back
+    (``Reconciler.held_back``, as the service wires it), and one more worker serving beside the
+    policy's fleet: a small instance of another type (as a stand-in the reconciler launched for
+    a spot move, counted as the type it stands in for). Counted from what serves, that read as a
+    drain still to be carried out, and the policy never drained while it served (a stand-in
+    stays). Now it drains to three, one drain at a time: the second waits for the reconciler's
+    deferral, as before."""
+    from controlplane.loops.infaas_scaler import _AppScaler
+    from controlplane.policies.infaas_scaling import initial_state
+    from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
+
+    with planned_app(tmp_path, budget_usd_per_hr=0.55) as (clock, store, resolver, plan):
+
+        def statuses() -> list[AppStatus]:
+            rows = store.list_instances(APP, states=["running"])
+            workers = (
+                *(WorkerStatus(r.id, r.instance_type, "", True, True, "", 0.5) for r in rows),
+                WorkerStatus("stand-in", "emu.cpu.small", "", True, True, "", 0.5),
+            )
+            states = {w.instance_id: "active" for w in workers}
+            stage = StageStatus("tiny", 0, 0, 0, 100.0, "fcfs", 1, states)  # type: ignore[arg-type]
+            return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
+
+        def arrivals(_app: str) -> np.ndarray:
+            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 400)  # 200 qps
+
+        scaler = InfaasScaler(
+            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
+        )
+        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
+        provisioner = FakeProvisioner(running_on_launch=True)
+        reconciler = build_reconciler(
+            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
+        )
+        scaler.held_back = reconciler.held_back
+        scaler._apps[APP] = _AppScaler(plan.id, 0.55, initial_state({LARGE: 5}, clock.now_s()))
+        for _ in range(3):
+            reconciler.run_once()
+            provisioner.step()
+        assert len(store.list_instances(APP, states=["running"])) == 5
+        wanted = []
+        for _ in range(40):
+            clock.advance(5.0)
+            scaler.tick()
+            wanted.append(scaler.desired_fleet(store.get_app(APP))[LARGE])
+            reconciler.run_once()
+            provisioner.step()
+        assert min(wanted) == 3, f"the policy's {LARGE} count tick by tick: {wanted}"
+        assert "drain_deferred" in kinds(store)  # the second drain waited for its window
+        assert kinds(store).count("infaas_drain") == 2, kinds(store)
+        assert "infaas_replicate" not in kinds(store)
+        assert len(store.list_instances(APP, states=["running"])) == 3

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from controlplane.policies.infaas_scaling import (
+    HeldBack,
     OverloadNote,
     ScalingConfig,
     ScalingContext,
@@ -335,6 +336,68 @@ def test_a_drain_waits_for_the_last_one_to_be_carried_out() -> None:
     decisions, state = decide(context(76.0, 10.0, four[:3]), state, config)
     assert decisions == []
     (again,), state = decide(context(91.0, 10.0, four[:3]), state, config)
+    assert (again.action, again.numbers["count_after"]) == ("infaas_drain", 2)
+
+
+def test_instances_serving_beside_the_fleet_for_the_reconciler_do_not_hold_a_drain() -> None:
+    """After a spot move the fleet is one gpu and two cpus, one of them a small instance the
+    reconciler launched to stand in for a cpu (counted as one): three serve, one of a type the
+    policy's fleet does not name. Counted from what serves, that read as a drain of the
+    policy's still to be carried out, and the idle gpu was never drained (the stand-in stays).
+    The reconciler says it holds nothing back: the gpu goes after its hold. A drain it holds
+    back, or a fleet its last pass has not read, still waits (one drain at a time)."""
+    config = ScalingConfig(hold_s=5.0)
+    variants = [*VARIANTS, VariantProfile("m", "small", 10.0, 30.0)]
+    prices = {**PRICES, "small": 0.05}
+    serving = [
+        ServedInstance("g-1", "gpu", {"m": "active"}, 0.0),
+        cpu("c-1"),
+        ServedInstance("s-1", "small", {"m": "active"}, 0.1),
+    ]
+    fleet = {"gpu": 1, "cpu": 2}
+
+    def at(now_s: float, held_back: HeldBack | None) -> ScalingContext:
+        return ScalingContext(
+            "a", now_s, {"m": 4.0}, serving, variants, prices, 2.0, held_back=held_back
+        )
+
+    state = initial_state(fleet, 0.0)
+    nothing_held = HeldBack(fleet)
+    decisions, state = decide(at(10.0, nothing_held), state, config)
+    assert decisions == []
+    (drain,), after = decide(at(15.0, nothing_held), state, config)
+    assert (drain.action, drain.instance_id, drain.instance_type) == ("infaas_drain", "g-1", "gpu")
+    assert dict(after.fleet) == {"cpu": 2}
+    # The reconciler holds back a drain of the policy's: the next one waits for it.
+    held = HeldBack(fleet, {"cpu": 1})
+    decisions, kept = decide(at(15.0, held), state, config)
+    assert decisions == [] and dict(kept.fleet) == fleet, decisions
+
+
+def test_with_the_reconcilers_word_a_drain_still_waits_for_the_last_one() -> None:
+    """The case of test_a_drain_waits_for_the_last_one_to_be_carried_out, the reconciler saying
+    what it holds back: four cpus serve 20 qps, one is drained; until a pass has read the fleet
+    of three, and while it holds the fourth back, no second drain; once it is carried out and
+    the load is lower, the next drain follows its hold."""
+    config = ScalingConfig(hold_s=15.0)
+    four = [cpu(f"i-{k}", busy=0.1) for k in range(4)]
+
+    def at(
+        now_s: float, load: float, serving: list[ServedInstance], held: HeldBack
+    ) -> ScalingContext:
+        return replace(context(now_s, load, serving), held_back=held)
+
+    state = initial_state({"cpu": 4}, 0.0)
+    decisions, state = decide(at(0.0, 10.0, four, HeldBack({"cpu": 4})), state, config)
+    assert decisions == []
+    (drain,), state = decide(at(15.0, 10.0, four, HeldBack({"cpu": 4})), state, config)
+    assert (drain.action, drain.numbers["count_after"]) == ("infaas_drain", 3)
+    # No pass since (it read four), then one that defers the drain: four serve, none goes.
+    for now, held in ((30.0, HeldBack({"cpu": 4})), (45.0, HeldBack({"cpu": 3}, {"cpu": 1}))):
+        decisions, state = decide(at(now, 10.0, four, held), state, config)
+        assert decisions == [] and dict(state.fleet) == {"cpu": 3}, (now, decisions)
+    # Carried out: three serve, nothing held back; the next drain follows its hold.
+    (again,), state = decide(at(60.0, 10.0, four[:3], HeldBack({"cpu": 3})), state, config)
     assert (again.action, again.numbers["count_after"]) == ("infaas_drain", 2)
 
 
