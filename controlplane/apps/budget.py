@@ -13,9 +13,10 @@ naming ``budget_usd_per_hr``, a 422), with a plan or without, unless ``force``: 
 app whose own stored spec failed its validation (a plan preview, a ``PUT`` of that spec). When
 the new budget is below what
 the live fleet costs, :func:`change_budget` asks the drain policy
-(:func:`controlplane.policies.drain.plan_drain`) which instances to drain, least cost-effective
-first, keeping the last instance of each planned stage (of such an app, its last instance)
-unless forced, and records a
+(:func:`controlplane.policies.drain.guard_drain`, the reconciler's budget guard's own) which
+instances to drain, least cost-effective first, keeping the last instance of each planned stage
+(of such an app, its last instance), and its last serving one, where the budget pays for it,
+and records a
 ``budget_drain`` decision; the reconciler acts on it, not this use case. The
 API's ``PUT /v1/apps/{app}/budget`` and the command line's ``budget set`` go through it.
 """
@@ -35,10 +36,11 @@ from controlplane.policies import scaling
 from controlplane.policies.drain import (
     DrainInstance,
     DrainPlan,
-    plan_drain,
+    guard_drain,
     pooled_stages,
     qps_by_type,
     serving_floor,
+    with_leftover_types,
 )
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
@@ -258,22 +260,26 @@ def record_budget_drain(
     budget (``None``, and no decision, when it is not). A new budget in an app's spec (``PUT
     /v1/apps/{app}``) is recorded as :func:`change_budget`'s is."""
     live = live_instances(store, app)
-    drain = plan_drain(
+    # The reconciler's budget guard's own drain (what it stops, the decision names): the
+    # stages with the types no stage plans (the tuner's additions serve every stage).
+    drain = guard_drain(
         [
             DrainInstance(i.id, i.instance_type, i.state, i.cost_usd_per_hr, i.created_at)
             for i in live
         ],
         usd_per_hr,
         values,
-        stage_types=None
-        if force
-        else {name: [t for t, n in fleet.items() if n > 0] for name, fleet in stages.items()},
+        with_leftover_types(
+            {name: [t for t, n in fleet.items() if n > 0] for name, fleet in stages.items()},
+            (i.instance_type for i in live if not is_profile_worker(i.request_id)),
+        ),
         # Profile runs' and rollouts' workers go first, as the reconciler ends them.
         workers={
             i.id: profiling_group(app, i.request_id)
             for i in live
             if is_profile_worker(i.request_id)
         },
+        keep_last=not force,
     )
     note = None
     if drain.drain:

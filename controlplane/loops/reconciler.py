@@ -57,12 +57,13 @@ The rules (docs/provisioners.md, "Reconciler", says why):
 6. **Budget guard.** The kept fleet's cost (the recorded price of each kept row) must stay within
    the app's budget, a hard limit: no guard above defers this drain. When it does not (the budget
    was lowered), the least cost-effective kept instances are drained at once by
-   :func:`controlplane.policies.drain.plan_drain` (lowest queries per second per dollar first),
-   keeping the last instance of a stage when the budget can pay for it (the budget change was
-   not forced below the app's smallest serving fleet). A launch happens only if the kept cost
-   plus its price stays within the budget; shortfall types are launched most cost-effective
-   first, first fit, and what does not fit is one :class:`BudgetCapped` action. So after every
-   tick, requested + pending + running <= budget.
+   :func:`controlplane.policies.drain.guard_drain` (lowest queries per second per dollar first),
+   keeping the last instance of a stage, and its last serving one (not one still booting
+   beside it), when the budget can pay for it (the budget change was not forced below the
+   app's smallest serving fleet); a budget change's ``budget_drain`` decision names the same.
+   A launch happens only if the kept cost plus its price stays within the budget; shortfall
+   types are launched most cost-effective first, first fit, and what does not fit is one
+   :class:`BudgetCapped` action. So after every tick, requested + pending + running <= budget.
 7. **Launches** are one instance per request id (the database keeps one row per request id, the
    idempotency key): ``<prefix>-<n>`` with ``n`` one past the highest used by the app, so two
    reconcilers that see the same rows pick the same ids (and the store returns the first row). A
@@ -181,9 +182,10 @@ from controlplane.loops.liveness import Liveness
 from controlplane.policies.disruption import DisruptionBudget, count_disruptions
 from controlplane.policies.drain import (
     DrainInstance,
-    plan_drain,
+    guard_drain,
     pooled_stages,
     spare_last_serving,
+    with_leftover_types,
     workers_to_end,
 )
 from controlplane.policies.infaas_scaling import HeldBack
@@ -855,9 +857,9 @@ def _with_leftovers(
     one the tuner added): such instances serve every stage (controlplane.serving.placement), so
     a stage left with none of its own types running keeps one of them until its own type runs,
     however many plans were applied since (make-before-break on a change of type)."""
-    planned = {t for types in stage_types.values() for t in types}
-    leftover = sorted({row.record.instance_type for row in rows if not _profiling(row)} - planned)
-    return {name: [*types, *leftover] for name, types in stage_types.items()}
+    return with_leftover_types(
+        stage_types, (row.record.instance_type for row in rows if not _profiling(row))
+    )
 
 
 def _end_profiling_over_budget(
@@ -1467,23 +1469,13 @@ def _fit_budget(
     actions: list[Action],
 ) -> list[_Row]:
     """Rule 6, the drain: the least cost-effective kept rows go until the rest fits; the last
-    instance of a stage stays when the budget can pay for it."""
+    instance of a stage, or its last serving one, stays when the budget can pay for it
+    (:func:`controlplane.policies.drain.guard_drain`, which a budget change's ``budget_drain``
+    decision names)."""
     instances = [_drain_instance(row) for row in kept]
-    drain = plan_drain(instances, budget_usd_per_hr, qps_by_type)
+    drain = guard_drain(instances, budget_usd_per_hr, qps_by_type, stage_types)
     if not drain.drain:
         return kept
-    if stage_types:
-        going = {c.id for c in drain.drain}
-        staying = [i for i in instances if i.id not in going]
-        emptied = any(
-            any(i.instance_type in types for i in instances)
-            and not any(i.instance_type in types for i in staying)
-            for types in stage_types.values()
-        )
-        if emptied:
-            keeping = plan_drain(instances, budget_usd_per_hr, qps_by_type, stage_types=stage_types)
-            if keeping.kept_cost_usd_per_hr <= budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
-                drain = keeping
     chosen = {candidate.id for candidate in drain.drain}
     rows = [row for row in kept if row.id in chosen]
     _terminate(

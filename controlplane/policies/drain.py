@@ -65,11 +65,13 @@ __all__ = [
     "DrainInstance",
     "DrainPlan",
     "ServingFloor",
+    "guard_drain",
     "plan_drain",
     "pooled_stages",
     "qps_by_type",
     "serving_floor",
     "spare_last_serving",
+    "with_leftover_types",
     "workers_to_end",
 ]
 
@@ -318,6 +320,86 @@ def plan_drain(
         kept_cost_usd_per_hr=max(kept_cost, 0.0),
         drain=tuple(drain),
     )
+
+
+def with_leftover_types(
+    stage_types: Mapping[str, Collection[str]], instance_types: Iterable[str]
+) -> dict[str, list[str]]:
+    """``stage_types`` (stage -> its planned types) with, on every stage, the types of
+    ``instance_types`` that no stage plans (a type a new plan dropped, one the tuner added):
+    such instances serve every stage (``controlplane.serving.placement``), so the budget guard
+    counts them on each.
+
+    >>> with_leftover_types({"a": ["cpu"], "b": ["gpu"]}, ["cpu", "big", "gpu"])
+    {'a': ['cpu', 'big'], 'b': ['gpu', 'big']}
+    """
+    planned = {t for types in stage_types.values() for t in types}
+    leftover = sorted(set(instance_types) - planned)
+    return {name: [*types, *leftover] for name, types in stage_types.items()}
+
+
+def guard_drain(
+    instances: Iterable[DrainInstance],
+    budget_usd_per_hr: float,
+    qps_by_type: Mapping[str, float],
+    stage_types: Mapping[str, Collection[str]] | None = None,
+    *,
+    workers: Mapping[str, str] | None = None,
+    keep_last: bool = False,
+) -> DrainPlan:
+    """The budget guard's drain (the reconciler's rule 6), which a budget change's
+    ``budget_drain`` decision names too, so that the decision says what is drained:
+    :func:`plan_drain`'s least cost-effective first, unless that leaves a stage (``stage_types``)
+    that has a kept instance of its types with none, or one that serves now (``running``) with
+    none serving, and the fleet that keeps one per stage (:func:`plan_drain` with the stages,
+    whose keepers serve before those still booting) fits the budget (or ``keep_last``: an
+    unforced budget change, which keeps a stage's last instance even below the floor, as after
+    a forced cut and a raise still under it): then that one. A cheap
+    instance serving beside a dear one still booting (a mix change on a rise) is the least
+    cost-effective; drained first, the stage served nothing until the dear one booted.
+
+    >>> from datetime import UTC, datetime
+    >>> t = datetime(2024, 1, 1, tzinfo=UTC)
+    >>> fleet = [
+    ...     DrainInstance("cheap", "cpu", "running", 0.05, t),
+    ...     DrainInstance("dear", "gpu", "pending", 0.1, t),
+    ... ]
+    >>> qps = {"cpu": 25.0, "gpu": 100.0}
+    >>> [c.id for c in plan_drain(fleet, 0.1, qps).drain]
+    ['cheap']
+    >>> [c.id for c in guard_drain(fleet, 0.1, qps, {"m": ["cpu", "gpu"]}).drain]
+    ['dear']
+    """
+    instances = list(instances)
+    drain = plan_drain(instances, budget_usd_per_hr, qps_by_type, workers=workers)
+    if not drain.drain or not stage_types:
+        return drain
+    groups = workers or {}
+    kept = [
+        i
+        for i in instances
+        if i.state in LIVE_STATES and i.state not in _LEAVING and i.id not in groups
+    ]
+    going = {c.id for c in drain.drain}
+    staying = [i for i in kept if i.id not in going]
+    running = InstanceState.RUNNING.value
+
+    def emptied(types: Collection[str]) -> bool:
+        had = [i for i in kept if i.instance_type in types]
+        left = [i for i in staying if i.instance_type in types]
+        if had and not left:
+            return True
+        return any(i.state == running for i in had) and not any(i.state == running for i in left)
+
+    if not any(emptied(types) for types in stage_types.values()):
+        return drain
+    keeping = plan_drain(
+        instances, budget_usd_per_hr, qps_by_type, stage_types=stage_types, workers=workers
+    )
+    # The same tolerance as the drain's: 0.1 + 0.2 fits a budget of 0.3.
+    if keep_last or keeping.kept_cost_usd_per_hr <= budget_usd_per_hr + 1e-9:
+        return keeping
+    return drain
 
 
 def _candidate(instance: DrainInstance, qps_per_usd: float) -> DrainCandidate:

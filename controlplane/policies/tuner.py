@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -808,11 +809,15 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
     kept here (the limits are hard). Over the budget, an instance that no fleet within it can
     keep (with its stage's floor) goes first, then one whose loss leaves a fleet that can still
     be shed within it (a stage the sizing model moved to a dearer type kept that type and lost
-    the cheap instances that fitted, or all but one of them). A stage at its floor whose
-    instances alone are over the budget trades its dearest for one of its cheapest planned
-    type (the serving floor a budget cut is held to, docs/operations.md): kept, the reconciler's
-    budget guard drained it and the tuner never bought anything back. True when something
-    changed."""
+    the cheap instances that fitted, or all but one of them), then one whose loss leaves its
+    stage something serving: a stage's last serving instance stays over one still booting
+    beside it (a budget cut during a rise stopped the cheap one that served and kept the dear
+    one the tuner had just launched, and the stage served nothing until it booted; the tuner
+    moves to the dearer type again only where the budget pays for both while they overlap,
+    make-before-break). A stage at its floor whose instances alone are over the budget trades
+    its dearest for one of its cheapest planned type (the serving floor a budget cut is held
+    to, docs/operations.md): kept, the reconciler's budget guard drained it and the tuner never
+    bought anything back. True when something changed."""
     config, prices = tick.config, tick.config.prices_usd_per_hr
     budget = config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR
 
@@ -837,6 +842,12 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
                 total += kept * prices[name]
                 left -= kept
         return total
+
+    def serving(stage: str, fleet: Mapping[str, int]) -> int:
+        """How many of ``stage``'s instances (``fleet``) serve now: its booting ones left out
+        (a stop takes a type's booting ones first)."""
+        booting = Counter(b.instance_type for b in tick.booting if b.stage == stage)
+        return sum(max(0, n - booting[name]) for name, n in fleet.items())
 
     stuck: set[str] = set()  # over its cap, but every stage holding it is at its floor
 
@@ -873,7 +884,12 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
                 # leaves one that can still be shed within it.
                 kept = capped is not None or floor_cost(plan.name, fleet, name) <= budget
                 dead_end = capped is None and floor_cost(plan.name, less) > budget
-                options.append((kept, dead_end, per_usd, -price, -count, plan.name, name, plan))
+                # Then what leaves the stage something serving: its last serving instance
+                # stopped, it served nothing until the one booting beside it booted.
+                strands = serving(plan.name, fleet) > 0 and serving(plan.name, less) == 0
+                options.append(
+                    (kept, dead_end, strands, per_usd, -price, -count, plan.name, name, plan)
+                )
         if not options:
             if capped is None:
                 if _trade_down(tick, plans):
@@ -882,10 +898,16 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
                 break
             stuck.add(capped)
             continue
-        keeps, *_, name, plan = min(options, key=lambda option: option[:7])
+        best = min(options, key=lambda option: option[:8])
+        keeps, *_, name, plan = best
         whose = "the instance whose loss costs the app the least capacity per USD/hr"
         if not keeps:
             whose = f"which no fleet within the budget keeps beside {plan.name}'s floor"
+        elif any(o[:2] == best[:2] and o[2] and o[3:8] < best[3:8] for o in options):
+            whose = (
+                f"still booting: {plan.name}'s last serving instance stays (stopped, the stage"
+                " served nothing until this one booted)"
+            )
         if capped is not None:
             total = sum(fleet.get(name, 0) for fleet in tick.fleets.values())
             why = f"over the cap: {total} x {name} where the spec allows {config.max_counts[name]}"

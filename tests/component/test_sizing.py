@@ -389,6 +389,82 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
     assert 0.15 in tuned and all(len(repr(c)) <= 12 for c in tuned), tuned
 
 
+@pytest.mark.parametrize("first", ["tuner", "reconciler"])
+@pytest.mark.parametrize("booted", [False, True], ids=["booting", "booted"])
+def test_a_budget_cut_during_a_rise_keeps_the_instance_that_serves(
+    store: Store, tmp_path: Path, first: str, booted: bool
+) -> None:
+    """Planned at 8 qps on one small; at 60 qps the sizing model adds two larges ($0.1/hr
+    each) beside it. The budget is then cut to $0.1/hr: the small and one large no longer fit
+    together. While the larges still boot (``booting``), the small is kept and the larges go,
+    whether the tuner's shed or the reconciler's budget guard sees the cut first: the shed
+    stopped the small (the least capacity per USD/hr lost) and the guard drained it (the least
+    cost-effective), and the app served nothing until a large booted. Once the larges serve
+    (``booted``), the small and one large go, as before. Either way the cut's
+    ``budget_drain`` decision names what goes: it kept the small as its stage's last instance
+    and named the larges, where the small was stopped."""
+    applied_plan(store, tmp_path, 8.0, budget=0.3)
+    clock = FakeClock(start_s=1000.0)
+    rates = [(0.0, 8.0)]
+    tuner = LiveTuner(
+        store,
+        clock,
+        functools.partial(stepped_arrivals, clock, rates),
+        resolve,
+        submit=lambda work: work(),
+    )
+    fake, reconciler = small_and_large_fleet(store, clock, tuner)
+    if not booted:
+        fake.never_run(LARGE)  # the larges boot for longer than the test looks
+
+    def serving() -> None:
+        live = [(i.instance_type, i.state) for i in fake.list({})]
+        assert any(state == "running" for _, state in live), (clock.now_s(), live)
+
+    def within_and_serving() -> None:
+        app = store.get_app(APP)
+        wanted = tuner.desired_fleet(app)
+        cost = sum(n * (0.05 if t == SMALL else 0.1) for t, n in wanted.items())
+        assert cost <= app.budget_usd_per_hr + 1e-9, (clock.now_s(), dict(wanted))
+        serving()
+
+    def kept() -> dict[str, str]:
+        rows = store.list_instances(APP, states=["requested", "pending", "running"])
+        return {i.id: i.instance_type for i in rows}
+
+    run_ticks(clock, tuner, reconciler, fake, 5, within_and_serving)
+    rates.append((clock.now_s(), 60.0))
+    # The tuner reads a large as serving once its row runs and its modelled 30 s boot is up.
+    run_ticks(clock, tuner, reconciler, fake, 50 if booted else 15, within_and_serving)
+    before = kept()
+    assert sorted(before.values()) == [LARGE, LARGE, SMALL]
+    states = {i.instance_type: i.state for i in fake.list({})}
+    assert states == {SMALL: "running", LARGE: "running" if booted else "pending"}, states
+    (small,) = [i for i, t in before.items() if t == SMALL]
+    last = max(d.id for d in store.list_decisions(APP))
+
+    change_budget(store, AppResolver(tmp_path), APP, 0.1, reason="test", who="test")
+    if first == "reconciler":  # the guard acts on the cut before the tuner reads it
+        reconciler.run_once()
+        fake.step()
+        serving()
+    run_ticks(clock, tuner, reconciler, fake, 10, within_and_serving)
+
+    after = [d for d in store.list_decisions(APP) if d.id > last]
+    (drain,) = [d for d in after if d.kind == "budget_drain"]
+    gone = set(before) - set(kept())
+    assert gone == set(drain.numbers["drain"]), (drain.reason, [d.reason for d in after])
+    if booted:
+        assert sorted(before[i] for i in gone) == [LARGE, SMALL]
+    else:
+        assert small not in gone and sorted(before[i] for i in gone) == [LARGE, LARGE]
+        assert not [
+            d for d in after if d.kind == "scale_down" and d.numbers["instance_type"] == SMALL
+        ]
+    running = {i.instance_type for i in fake.list({}) if i.state == "running"}
+    assert running == ({LARGE} if booted else {SMALL}), running
+
+
 GPU = "emu.gpu"
 
 

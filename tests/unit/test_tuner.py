@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from controlplane.policies.tuner import (
     CPU_BOOT_S,
     GPU_BOOT_S,
+    Booting,
     TunerConfig,
     TunerStage,
     TunerState,
@@ -308,6 +309,28 @@ def test_a_fleet_over_a_lowered_budget_is_shed_least_cost_effective_first() -> N
     decisions, kept = tune(steady(8, 90.0, 100.0), 100.0, alone, [plan], config(0.5))
     assert dict(kept.fleets["mix"]) == {"gpu": 1}
     assert not [d for d in decisions if d.action == "scale_down"]
+
+
+@pytest.mark.parametrize("gpu_boots", [True, False], ids=["gpu booting", "gpu serving"])
+def test_a_budget_cut_keeps_the_stages_serving_instance_over_one_booting(gpu_boots: bool) -> None:
+    """A stage serving on a cpu (2 qps for 0.05 USD/hr, 40 qps per USD/hr) beside a gpu the
+    tuner launched on a rise (100 qps for 1.0, 100 per USD/hr); the budget cut to 1.0, which
+    pays for either alone. While the gpu boots, the gpu goes: stopping the cpu (the least
+    capacity per USD/hr lost) left the stage serving nothing until the gpu booted. Once the gpu
+    serves, the cpu goes, as before."""
+    plan = TunerStage("mix", 1.0, {"cpu": 1}, {"gpu": 100.0, "cpu": 2.0}, 0.8)
+    state = TunerState(
+        fleets={"mix": Fleet.of({"cpu": 1, "gpu": 1})},
+        booting=(Booting("mix", "gpu", 95.0, 155.0),) if gpu_boots else (),
+        last_change_s=95.0,
+    )
+    decisions, after = tune(steady(1, 90.0, 100.0), 100.0, state, [plan], config(1.0))
+    shed = [(d.action, d.instance_type, d.count) for d in decisions if d.action == "scale_down"]
+    assert shed == [("scale_down", "gpu" if gpu_boots else "cpu", 1)], [d.reason for d in decisions]
+    assert after.fleets["mix"].get("gpu" if gpu_boots else "cpu", 0) == 0
+    assert after.fleets["mix"].get("cpu" if gpu_boots else "gpu", 0) >= 1
+    assert fleet_cost_usd_per_hr(after, config().prices_usd_per_hr) <= 1.0 + 1e-9
+    assert not after.booting
 
 
 def test_a_fleet_over_a_lowered_cap_is_shed_to_it() -> None:
