@@ -19,7 +19,8 @@ service runs it in the ``tuner_tick`` job, after the live tuner) it reads, for e
 - what the reconciler's last pass held back of the fleet's drains (an injected
   :data:`HeldBackSource`, ``Reconciler.held_back``: the instances its guards kept past the fleet
   the policy wants), which the drain waits for (one drain at a time); a rollout's, a spot move's
-  or an interruption's instances serving beside the fleet are none of it;
+  or an interruption's instances serving beside the fleet are none of it; with it, which
+  serving instances stand in for which type (``HeldBack.stand_ins``), counted as that type;
 - the app's resolved spec: per model and candidate type, Q_v, the rate one instance serves at
   the plan's batch size (:func:`controlplane.policies.replay.rate_per_instance_qps`; 0 when the
   profile's batch time misses the SLO: INFaaS's Constraint 2), and T_load, the type's start-up

@@ -188,7 +188,7 @@ from controlplane.policies.drain import (
     with_leftover_types,
     workers_to_end,
 )
-from controlplane.policies.infaas_scaling import HeldBack
+from controlplane.policies.infaas_scaling import HeldBack, StandIn
 from controlplane.policies.lifecycle import (
     KEPT_STATES,
     LIVE_STATES,
@@ -2523,8 +2523,15 @@ class Reconciler:
         past the desired count (the disruption budget, the last serving instance), by the type
         they are counted as (a stand-in as the type it stands in for). Before any such pass, an
         empty fleet: a desired fleet no pass has read (INFaaS's autoscaler drains no further
-        until one has, :class:`~controlplane.policies.infaas_scaling.HeldBack`)."""
-        return self._held_back.get(app, HeldBack({}))
+        until one has, :class:`~controlplane.policies.infaas_scaling.HeldBack`). With it, the
+        app's live stand-ins as they are now (rules 10 and 11: row id -> the type it stands in
+        for and its share of one), launched in that pass included, which the policy counts as
+        that type, never as their own."""
+        # Copies: the scaler reads them from another thread than the passes that change them.
+        standing = dict(self._stand_ins.get(app, {}))
+        shares = dict(self._stand_in_shares.get(app, {}))
+        stand_ins = {i: StandIn(t, shares.get(i, 1.0)) for i, t in standing.items()}
+        return dataclasses.replace(self._held_back.get(app, HeldBack({})), stand_ins=stand_ins)
 
     def _held_back_of(
         self,

@@ -75,6 +75,12 @@ tick:
    the one the decision named, let a cheaper type's older clock win the next drain (an idle app
    ended on its dearest type). The app keeps at least one instance.
 
+A *stand-in* (an instance of type C the reconciler runs in place of one of type G of the fleet,
+the context's ``held_back.stand_ins``) counts as present for G, by its share (k smaller ones
+1/k each), never for C: its capacity is what it serves (Q_C), G is not loading, a take-back
+raises G (never C, and a part of one is not rounded up), and a drain of G takes off, in the
+underused test, the most one count of G serves.
+
 Every decision carries its reason (one line, with the numbers) and the numbers as a mapping.
 
 >>> instances_for(load_qps=90.0, saturation_qps=50.0, utilisation=0.8)
@@ -105,6 +111,7 @@ __all__ = [
     "ScalingContext",
     "ScalingDecision",
     "ServedInstance",
+    "StandIn",
     "VariantProfile",
     "decide",
     "initial_state",
@@ -198,6 +205,21 @@ class OverloadNote:
 
 
 @dataclass(frozen=True, slots=True)
+class StandIn:
+    """An instance the reconciler runs in place of one of another type of the fleet (its rule
+    11's stand-in for a type the provider is short of, or rule 10's move off a risen spot
+    price, docs/spot.md): the type it counts as (``stands_for``) and how much of one of it
+    (``share``: 1/k for each of k smaller instances that together serve as much, else 1)."""
+
+    stands_for: str
+    share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.share) and 0 < self.share <= 1):
+            raise ValueError(f"a stand-in for {self.stands_for}: share must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
 class HeldBack:
     """What the reconciler's last pass over the app did with the policy's fleet: the fleet it
     brought the app toward (``fleet``, counts by type, as the policy wanted it then) and, by the
@@ -205,10 +227,13 @@ class HeldBack:
     kept past that fleet's count (``counts``: rule 5's guards, the disruption budget and the last
     serving instance). Those are the policy's drains still to be carried out; an instance that
     serves beside the fleet for the reconciler (a spot move's or an interruption's replacement
-    with the row it replaces, a stand-in of another type) is none of them."""
+    with the row it replaces, a stand-in of another type) is none of them. ``stand_ins``: the
+    app's instances that stand in for a type of the fleet (instance id -> :class:`StandIn`),
+    which the policy counts as present for that type (by their share), never as their own."""
 
     fleet: Mapping[str, int]
     counts: Mapping[str, int] = field(default_factory=dict)
+    stand_ins: Mapping[str, StandIn] = field(default_factory=dict)
 
     def pending(self, fleet: Mapping[str, int]) -> bool:
         """Whether a drain of the policy's (whose fleet is ``fleet`` now) is still to be carried
@@ -394,9 +419,11 @@ class _Tick:
     models: list[str]
     types: list[str]
     fleet: dict[str, int]
-    pending: dict[str, int]
-    ready: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, float]
+    ready: dict[str, float] = field(default_factory=dict)
     drained_s: float | None = None
+    # Instance id -> the type it counts as and how much of one (a stand-in's; else its own, 1).
+    counted_as: dict[str, tuple[str, float]] = field(default_factory=dict)
     capacity_now: dict[str, float] = field(default_factory=dict)
     counted: dict[tuple[str, str], float] = field(default_factory=dict)
     decisions: list[ScalingDecision] = field(default_factory=list)
@@ -404,9 +431,20 @@ class _Tick:
     @classmethod
     def of(cls, ctx: ScalingContext, state: ScalerState, config: ScalingConfig) -> _Tick:
         fleet = dict(state.fleet)
-        ready: dict[str, int] = {}
+        stand_ins = ctx.held_back.stand_ins if ctx.held_back is not None else {}
+        counted_as: dict[str, tuple[str, float]] = {}
+        ready: dict[str, float] = {}
         for inst in ctx.instances:
-            ready[inst.instance_type] = ready.get(inst.instance_type, 0) + 1
+            # A stand-in is present for the type it stands in for (by its share), not for its
+            # own: counted as its own, the type it stands for read as still loading (never
+            # drained; its capacity counted again as loading) and its own as serving past the
+            # fleet (taken into the fleet by a scale-up, and bought).
+            stand_in = stand_ins.get(inst.instance_id)
+            if stand_in is not None and stand_in.stands_for != inst.instance_type:
+                counted_as[inst.instance_id] = (stand_in.stands_for, stand_in.share)
+            t, share = counted_as.get(inst.instance_id, (inst.instance_type, 1.0))
+            ready[t] = ready.get(t, 0.0) + share
+        pending = {t: fleet.get(t, 0) - ready.get(t, 0.0) for t in set(fleet) | set(ready)}
         return cls(
             ctx=ctx,
             config=config,
@@ -415,10 +453,31 @@ class _Tick:
             models=sorted({v.model for v in ctx.variants}),
             types=sorted({v.instance_type for v in ctx.variants}),
             fleet=fleet,
-            pending={t: max(0, fleet.get(t, 0) - ready.get(t, 0)) for t in set(fleet) | set(ready)},
+            pending={t: n if n > _EPS else 0.0 for t, n in pending.items()},
             ready=ready,
             drained_s=state.drained_s,
+            counted_as=counted_as,
         )
+
+    def type_of(self, inst: ServedInstance) -> str:
+        """The type ``inst`` counts as in the fleet: a stand-in's, the type it stands in for."""
+        return self.counted_as.get(inst.instance_id, (inst.instance_type, 1.0))[0]
+
+    def one_count_qps(self, model: str, inst: ServedInstance) -> float:
+        """The capacity of ``model`` that one count of ``inst``'s type takes away, ``inst``
+        among those the reconciler may pick: its own part, or, where stand-ins count as that
+        type, the most one count of them serves (k smaller ones, each 1/k, serve k Q_C; the
+        reconciler ends the newest first, often a stand-in serving more than the one judged)."""
+        t = self.type_of(inst)
+        _, share = self.counted_as.get(inst.instance_id, (t, 1.0))
+        removed = self.counted.get((model, inst.instance_id), 0.0) / share
+        for other in self.serving(model):
+            counted = self.counted_as.get(other.instance_id)
+            if counted is not None and counted[0] == t:
+                removed = max(
+                    removed, self.counted.get((model, other.instance_id), 0.0) / counted[1]
+                )
+        return removed
 
     def serving(self, model: str) -> list[ServedInstance]:
         """The instances that serve ``model``."""
@@ -431,8 +490,13 @@ class _Tick:
         """Raise each type's count in the fleet to the instances of it that serve (a drain the
         reconciler has not carried out yet, deferred by the disruption budget): a scale-up is
         judged on the capacity of every instance that serves, so it starts from their count and
-        cost, and what it adds is launched. Returns the counts taken back, by type."""
-        taken = {t: n - self.fleet.get(t, 0) for t, n in self.ready.items()}
+        cost, and what it adds is launched. Returns the counts taken back, by type.
+
+        By the type each counts as: a stand-in's own type is never taken into the fleet (the
+        reconciler counts it as the type it stands in for, and would buy one of its own type
+        too), and a part of one (k smaller stand-ins, each 1/k) is not rounded up to a whole one
+        (the reconciler would launch the rest)."""
+        taken = {t: math.floor(n - self.fleet.get(t, 0) + _EPS) for t, n in self.ready.items()}
         taken = {t: k for t, k in taken.items() if k > 0}
         for t, k in taken.items():
             self.fleet[t] = self.fleet.get(t, 0) + k
@@ -769,16 +833,14 @@ def _underused(tick: _Tick, state: ScalerState) -> tuple[dict[str, float], list[
             and all(inst.states[m] != "overloaded" for m in served)
             and (busy is None or busy <= u)
             and all(
-                (tick.capacity_now[m] - tick.counted[(m, inst.instance_id)]) * u_drain
-                >= loads[m] - _EPS
+                (tick.capacity_now[m] - tick.one_count_qps(m, inst)) * u_drain >= loads[m] - _EPS
                 for m in served
             )
         )
         if ok:
             found.append(inst)
-            since[inst.instance_type] = state.underused_since_s.get(
-                inst.instance_type, tick.ctx.now_s
-            )
+            t = tick.type_of(inst)
+            since[t] = state.underused_since_s.get(t, tick.ctx.now_s)
     return since, found
 
 
@@ -795,7 +857,7 @@ def _drain(
     if (
         held.pending(tick.fleet)
         if held is not None
-        else any(n > tick.fleet.get(t, 0) for t, n in tick.ready.items())
+        else any(n > tick.fleet.get(t, 0) + _EPS for t, n in tick.ready.items())
     ):
         # A drain the reconciler has not carried out yet (the disruption budget deferred it):
         # the underused test counts every instance that serves, so a second drain judged on
@@ -809,15 +871,14 @@ def _drain(
     loads = {m: float(ctx.load_qps.get(m, 0.0)) for m in tick.models}
     total = sum(tick.fleet.values())
     # One candidate per type (its first underused instance by id): the type's count goes down.
+    # A stand-in is one of the type it stands in for (the reconciler picks which ends).
     first: dict[str, ServedInstance] = {}
     for inst in sorted(underused, key=lambda i: i.instance_id):
-        first.setdefault(inst.instance_type, inst)
+        first.setdefault(tick.type_of(inst), inst)
     candidates = sorted(
-        first.values(),
-        key=lambda i: (-ctx.prices_usd_per_hr.get(i.instance_type, 0.0), i.instance_type),
+        first.items(), key=lambda item: (-ctx.prices_usd_per_hr.get(item[0], 0.0), item[0])
     )
-    for inst in candidates:
-        t = inst.instance_type
+    for t, inst in candidates:
         hold = tick.config.hold_s
         if hold is None:
             hold = max((tick.loading.get((m, t), 0.0) for m in inst.states), default=0.0)
@@ -834,12 +895,15 @@ def _drain(
         tick.fleet[t] -= 1
         after_cost = tick.cost_usd_per_hr()
         served = sorted(inst.states)
-        remaining = {m: tick.capacity_now[m] - tick.counted[(m, inst.instance_id)] for m in served}
+        remaining = {m: tick.capacity_now[m] - tick.one_count_qps(m, inst) for m in served}
         carry = ", ".join(
             f"{m} {plain(loads[m], 3)} qps on {plain(remaining[m], 3)} qps left" for m in served
         )
         shown = (
             "unknown" if inst.utilisation_share is None else f"{100 * inst.utilisation_share:.0f}%"
+        )
+        standing = (
+            f", a {inst.instance_type} standing in for {t}," if inst.instance_type != t else ""
         )
         tick.decisions.append(
             ScalingDecision(
@@ -848,7 +912,7 @@ def _drain(
                 t,
                 1,
                 f"infaas_drain: {t} underused for {plain(idle_s, 3)} s >= hold {hold:g} s"
-                f" ({inst.instance_id} now: busy {shown}; without it {carry}, within"
+                f" ({inst.instance_id}{standing} now: busy {shown}; without it {carry}, within"
                 f" U_drain {u_drain:g}):"
                 f" -1 x {t} (the reconciler picks which), cost {plain(before_cost, 4)} ->"
                 f" {plain(after_cost, 4)} USD/hr",

@@ -366,6 +366,55 @@ def test_a_type_without_capacity_is_stood_in_for_by_the_next_of_the_ranking(
         world.store.close()
 
 
+def test_infaas_counts_the_reconcilers_stand_ins_as_the_type_they_stand_in_for(
+    template_db: Path, tmp_path: Path
+) -> None:
+    """The reconciler says which of its instances stand in for which type (``held_back``'s
+    ``stand_ins``, as the service passes it to INFaaS's autoscaler), also once started afresh.
+    The policy, its fleet one small (a drain of the second it made, still serving), reads the two
+    large stand-ins as its two smalls: at 75 qps on 80 (two large, 40 qps each) it takes the
+    drain back as a small and adds smalls. Read by their own type, a small was "loading" (its
+    10 qps counted beside the 80) and the scale-up took both large ones into the fleet, which the
+    reconciler, counting them as smalls already, would have bought."""
+    from controlplane.policies.infaas_scaling import (
+        ScalingContext,
+        ServedInstance,
+        StandIn,
+        VariantProfile,
+        decide,
+        initial_state,
+    )
+
+    world = spot_world(template_db, tmp_path, budget=1.0)
+    try:
+        world.fake.fail_capacity(SMALL)
+        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
+        for _ in range(4):
+            world.tick()
+        running = world.store.list_instances(APP, states=["running"])
+        assert sorted(r.instance_type for r in running) == [LARGE, LARGE]
+        held = world.reconciler.held_back(APP)
+        assert dict(held.stand_ins) == {r.id: StandIn(SMALL) for r in running}
+        assert_a_restart_changes_nothing(world)
+        held = world.reconciler.held_back(APP)
+        assert dict(held.stand_ins) == {r.id: StandIn(SMALL) for r in running}
+
+        variants = [
+            VariantProfile("tiny", SMALL, 10.0, 20.0),
+            VariantProfile("tiny", LARGE, 40.0, 30.0),
+        ]
+        serving = [ServedInstance(r.id, r.instance_type, {"tiny": "active"}, 0.9) for r in running]
+        context = ScalingContext(
+            "recs", 100.0, {"tiny": 75.0}, serving, variants, PRICES, 1.0, held_back=held
+        )
+        (up,), after = decide(context, initial_state({SMALL: 1}, 0.0))
+        assert up.numbers["capacity_qps_before"] == 80.0, up.reason
+        assert up.numbers["taken_back"] == {SMALL: 1}, up.reason
+        assert dict(after.fleet) == {SMALL: 4}, up.reason
+    finally:
+        world.store.close()
+
+
 def test_a_refused_type_is_stood_in_for_within_the_budget_or_not_at_all(
     template_db: Path, tmp_path: Path
 ) -> None:

@@ -12,6 +12,7 @@ from controlplane.policies.infaas_scaling import (
     ScalingConfig,
     ScalingContext,
     ServedInstance,
+    StandIn,
     VariantProfile,
     decide,
     initial_state,
@@ -399,6 +400,121 @@ def test_with_the_reconcilers_word_a_drain_still_waits_for_the_last_one() -> Non
     # Carried out: three serve, nothing held back; the next drain follows its hold.
     (again,), state = decide(at(60.0, 10.0, four[:3], HeldBack({"cpu": 3})), state, config)
     assert (again.action, again.numbers["count_after"]) == ("infaas_drain", 2)
+
+
+# A type that serves more than a gpu (rule 11's stand-in serves at least as much) and one that
+# serves half as much (two of them stand in for one gpu, each as 1/2 of it: rule 10's sized move).
+BIG = VariantProfile("m", "big", 120.0, 60.0)
+HALF = VariantProfile("m", "half", 50.0, 60.0)
+STANDING_PRICES = {**PRICES, "big": 0.6, "half": 0.3}
+
+
+def standing(
+    now_s: float, load_qps: float, serving: list[ServedInstance], held: HeldBack
+) -> ScalingContext:
+    variants = [*VARIANTS, BIG, HALF]
+    return ScalingContext(
+        "a", now_s, {"m": load_qps}, serving, variants, STANDING_PRICES, 5.0, held_back=held
+    )
+
+
+def test_a_stand_in_counts_for_the_type_it_stands_in_for_with_what_it_serves() -> None:
+    """The policy's fleet is two gpus; the reconciler runs one gpu and a big instance standing
+    in for the other (the provider short of gpus). Counted as its own type, the stand-in left a
+    gpu "loading": its capacity was counted twice (120 serving as big, 100 loading as gpu: 320
+    qps, so 200 qps read as within U) and no scale-up came. It is the gpu that serves: 220 qps
+    of capacity, 200 qps > U 0.8 x 220, and the scale-up adds what is missing on the cheapest
+    option (three cpus), the gpus kept at two and no big taken into the fleet."""
+    serving = [
+        ServedInstance("g-1", "gpu", {"m": "active"}, 0.9),
+        ServedInstance("b-1", "big", {"m": "active"}, 0.9),
+    ]
+    fleet = {"gpu": 2}
+    held = HeldBack(fleet, stand_ins={"b-1": StandIn("gpu")})
+    (up,), after = decide(standing(10.0, 200.0, serving, held), initial_state(fleet, 0.0))
+    assert (up.action, up.instance_type, up.count) == ("infaas_upgrade", "cpu", 3), up.reason
+    assert up.numbers["capacity_qps_before"] == 220.0
+    assert up.numbers["taken_back"] == {}
+    assert dict(after.fleet) == {"gpu": 2, "cpu": 3}
+    # Overloaded on the gpu at a load within U: nothing loads, so the state scales it up (a gpu
+    # read as loading held it until the "load" was over, never). One more of what serves it,
+    # the cheapest by the ILP's cost: a big instance of the policy's own, bought as such.
+    hot = [replace(serving[0], states={"m": "overloaded"}), serving[1]]
+    (up,), after = decide(standing(10.0, 150.0, hot, held), initial_state(fleet, 0.0))
+    assert (up.action, up.instance_type, up.count) == ("infaas_replicate", "big", 1), up.reason
+    assert up.numbers["taken_back"] == {}
+    assert dict(after.fleet) == {"gpu": 2, "big": 1}
+
+
+def test_a_type_stood_in_for_is_drained_not_a_cheaper_one_beside_it() -> None:
+    """Fleet: two gpus and a cpu; a big instance stands in for one gpu. At 50 qps one gpu's
+    count goes: without the most one count of it serves (the big one, 120 qps, the reconciler
+    may end it) 110 qps carry 50 at U_drain 0.7. Counted as its own type, the gpu read as
+    loading (never drained) and the big one as no type of the fleet: the cheap cpu went."""
+    config = ScalingConfig(hold_s=5.0)
+    serving = [
+        ServedInstance("g-1", "gpu", {"m": "active"}, 0.1),
+        ServedInstance("b-1", "big", {"m": "active"}, 0.1),
+        cpu("c-1"),
+    ]
+    fleet = {"gpu": 2, "cpu": 1}
+    held = HeldBack(fleet, stand_ins={"b-1": StandIn("gpu")})
+    decisions, state = decide(
+        standing(10.0, 50.0, serving, held), initial_state(fleet, 0.0), config
+    )
+    assert decisions == []
+    (drain,), after = decide(standing(15.0, 50.0, serving, held), state, config)
+    assert (drain.action, drain.instance_type) == ("infaas_drain", "gpu"), drain.reason
+    assert drain.numbers["capacity_qps_after"] == {"m": 110.0}
+    assert "b-1, a big standing in for gpu," in drain.reason
+    assert dict(after.fleet) == {"gpu": 1, "cpu": 1}
+    # At 80 qps, 110 qps left would not carry it at U_drain (77): the gpu stays, and so does
+    # the cpu (a cheaper type is drained only where it is underused itself: 210 x 0.7 >= 80).
+    decisions, _ = decide(standing(15.0, 80.0, serving, held), state, config)
+    assert [(d.action, d.instance_type) for d in decisions] == [("infaas_drain", "cpu")]
+
+
+def test_a_scale_up_takes_back_a_drain_as_the_type_stood_in_for_never_the_stand_ins() -> None:
+    """The policy drained a gpu (fleet: one) the disruption budget still holds back; what
+    serves is a gpu and a big instance standing in for the other. A scale-up takes that drain
+    back as a gpu (the reconciler counts the big one as one), not as a big one: by count, the
+    fleet took a big instance in, and the reconciler, already counting the stand-in as the
+    gpu, bought a big one."""
+    serving = [
+        ServedInstance("g-1", "gpu", {"m": "active"}, 0.9),
+        ServedInstance("b-1", "big", {"m": "active"}, 0.9),
+    ]
+    held = HeldBack({"gpu": 1}, {"gpu": 1}, {"b-1": StandIn("gpu")})
+    (up,), after = decide(standing(10.0, 200.0, serving, held), initial_state({"gpu": 1}, 0.0))
+    assert up.numbers["taken_back"] == {"gpu": 1}, up.reason
+    assert (up.instance_type, up.count) == ("cpu", 3)
+    assert dict(after.fleet) == {"gpu": 2, "cpu": 3}
+
+
+def test_k_smaller_stand_ins_count_each_as_one_kth_of_the_type_they_stand_in_for() -> None:
+    """Two half instances (50 qps each) stand in for the fleet's one gpu, each as 1/2 of it. At
+    90 qps, 100 qps serve (> U 0.8 x 100): two cpus are added, nothing is taken back (by count,
+    the fleet took both halves in and the reconciler bought two more). One half still booting
+    (not serving yet): half a gpu loads, its 50 qps counted once."""
+    serving = [
+        ServedInstance("h-1", "half", {"m": "active"}, 0.9),
+        ServedInstance("h-2", "half", {"m": "active"}, 0.9),
+    ]
+    halves = {"h-1": StandIn("gpu", 0.5), "h-2": StandIn("gpu", 0.5)}
+    held = HeldBack({"gpu": 1}, stand_ins=halves)
+    (up,), after = decide(standing(10.0, 90.0, serving, held), initial_state({"gpu": 1}, 0.0))
+    assert (up.action, up.instance_type, up.count) == ("infaas_upgrade", "cpu", 2), up.reason
+    assert up.numbers["capacity_qps_before"] == 100.0
+    assert up.numbers["taken_back"] == {}
+    assert dict(after.fleet) == {"gpu": 1, "cpu": 2}
+    (up,), after = decide(standing(10.0, 90.0, serving[:1], held), initial_state({"gpu": 1}, 0.0))
+    assert up.numbers["capacity_qps_before"] == 100.0, up.reason  # 50 serving, 50 loading
+    assert dict(after.fleet) == {"gpu": 1, "cpu": 2}
+
+
+def test_a_stand_ins_share_is_one_of_one_at_most() -> None:
+    with pytest.raises(ValueError, match="share"):
+        StandIn("gpu", 1.5)
 
 
 def test_refusals_from_before_a_drain_do_not_scale_the_fleet_back_up() -> None:
