@@ -541,12 +541,13 @@ def test_the_budget_floor_of_an_infaas_app_is_one_instance_of_its_cheapest_type(
         assert "spot" not in str(raised.value) and "runs at" not in str(raised.value)
 
 
-def test_a_drain_the_disruption_budget_defers_is_not_drained_past(tmp_path: Path) -> None:
+def drains_to_three(tmp_path: Path, *, beside: bool) -> None:
     """Five large instances serve 200 qps (100 each): two can go. The reconciler carries out the
-    first drain and defers the second (one serving instance per 60 s window). Judged on the four
-    that still served, the policy drained on to one (each drain saying "200 qps on 300 qps
-    left"), the reconciler followed down to two, and the policy replicated back: a fleet at
-    100 % of its capacity meanwhile. It waits for the deferred drain instead, and stays at three."""
+    first drain and defers the second (one serving instance per 60 s window). The policy's
+    fleet must reach three, one drain at a time, and stay there. With ``beside``, the scaler
+    reads the reconciler's word on what it holds back (``Reconciler.held_back``, as the service
+    wires it) and one more worker serves beside the policy's fleet: a small instance of another
+    type (as a stand-in the reconciler launched for a spot move)."""
     from controlplane.loops.infaas_scaler import _AppScaler
     from controlplane.policies.infaas_scaling import initial_state
     from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
@@ -558,62 +559,8 @@ def test_a_drain_the_disruption_budget_defers_is_not_drained_past(tmp_path: Path
             workers = tuple(
                 WorkerStatus(r.id, r.instance_type, "", True, True, "", 0.5) for r in rows
             )
-            states = {r.id: "active" for r in rows}
-            stage = StageStatus("tiny", 0, 0, 0, 100.0, "fcfs", 1, states)  # type: ignore[arg-type]
-            return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
-
-        def arrivals(_app: str) -> np.ndarray:
-            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 400)  # 200 qps
-
-        scaler = InfaasScaler(
-            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
-        )
-        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
-        provisioner = FakeProvisioner(running_on_launch=True)
-        reconciler = build_reconciler(
-            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
-        )
-        scaler._apps[APP] = _AppScaler(plan.id, 0.55, initial_state({LARGE: 5}, clock.now_s()))
-        for _ in range(3):
-            reconciler.run_once()
-            provisioner.step()
-        assert len(store.list_instances(APP, states=["running"])) == 5
-        wanted = []
-        for _ in range(40):
-            clock.advance(5.0)
-            scaler.tick()
-            wanted.append(scaler.desired_fleet(store.get_app(APP))[LARGE])
-            reconciler.run_once()
-            provisioner.step()
-        assert min(wanted) == 3, wanted
-        assert "drain_deferred" in kinds(store)  # the second drain waited for its window
-        assert kinds(store).count("infaas_drain") == 2
-        assert "infaas_replicate" not in kinds(store)
-        assert len(store.list_instances(APP, states=["running"])) == 3
-
-
-def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_the_fleet(
-    tmp_path: Path,
-) -> None:
-    """The case above with the scaler reading the reconciler's word on what it holds back
-    (``Reconciler.held_back``, as the service wires it), and one more worker serving beside the
-    policy's fleet: a small instance of another type (as a stand-in the reconciler launched for
-    a spot move, counted as the type it stands in for). Counted from what serves, that read as a
-    drain still to be carried out, and the policy never drained while it served (a stand-in
-    stays). Now it drains to three, one drain at a time: the second waits for the reconciler's
-    deferral, as before."""
-    from controlplane.loops.infaas_scaler import _AppScaler
-    from controlplane.policies.infaas_scaling import initial_state
-    from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
-
-    with planned_app(tmp_path, budget_usd_per_hr=0.55) as (clock, store, resolver, plan):
-
-        def statuses() -> list[AppStatus]:
-            rows = store.list_instances(APP, states=["running"])
-            workers = (
-                *(WorkerStatus(r.id, r.instance_type, "", True, True, "", 0.5) for r in rows),
-                WorkerStatus("stand-in", "emu.cpu.small", "", True, True, "", 0.5),
-            )
+            if beside:
+                workers += (WorkerStatus("stand-in", "emu.cpu.small", "", True, True, "", 0.5),)
             states = {w.instance_id: "active" for w in workers}
             stage = StageStatus("tiny", 0, 0, 0, 100.0, "fcfs", 1, states)  # type: ignore[arg-type]
             return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
@@ -629,7 +576,8 @@ def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_t
         reconciler = build_reconciler(
             store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
         )
-        scaler.held_back = reconciler.held_back
+        if beside:
+            scaler.held_back = reconciler.held_back
         scaler._apps[APP] = _AppScaler(plan.id, 0.55, initial_state({LARGE: 5}, clock.now_s()))
         for _ in range(3):
             reconciler.run_once()
@@ -647,3 +595,21 @@ def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_t
         assert kinds(store).count("infaas_drain") == 2, kinds(store)
         assert "infaas_replicate" not in kinds(store)
         assert len(store.list_instances(APP, states=["running"])) == 3
+
+
+def test_a_drain_the_disruption_budget_defers_is_not_drained_past(tmp_path: Path) -> None:
+    """Judged on the four that still served, the policy drained on to one (each drain saying
+    "200 qps on 300 qps left"), the reconciler followed down to two, and the policy replicated
+    back: a fleet at 100 % of its capacity meanwhile. It waits for the deferred drain instead,
+    and stays at three."""
+    drains_to_three(tmp_path, beside=False)
+
+
+def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_the_fleet(
+    tmp_path: Path,
+) -> None:
+    """Counted from what serves, the worker beside the fleet read as a drain still to be
+    carried out, and the policy never drained while it served (a stand-in stays). With the
+    reconciler's word it drains to three, one drain at a time: the second waits for the
+    reconciler's deferral, as before."""
+    drains_to_three(tmp_path, beside=True)

@@ -313,6 +313,18 @@ def stepped_arrivals(clock: FakeClock, rates: list[tuple[float, float]], _app: s
     return arrivals[arrivals <= now]
 
 
+def stepped_tuner(store: Store, clock: FakeClock, rates: list[tuple[float, float]]) -> LiveTuner:
+    """A live tuner on ``clock`` whose arrivals are :func:`stepped_arrivals` at ``rates`` (a list
+    the test appends to), its ladders built at once."""
+    return LiveTuner(
+        store,
+        clock,
+        functools.partial(stepped_arrivals, clock, rates),
+        resolve,
+        submit=lambda work: work(),
+    )
+
+
 def run_ticks(
     clock: FakeClock,
     tuner: LiveTuner,
@@ -406,13 +418,7 @@ def test_a_budget_cut_during_a_rise_keeps_the_instance_that_serves(
     applied_plan(store, tmp_path, 8.0, budget=0.3)
     clock = FakeClock(start_s=1000.0)
     rates = [(0.0, 8.0)]
-    tuner = LiveTuner(
-        store,
-        clock,
-        functools.partial(stepped_arrivals, clock, rates),
-        resolve,
-        submit=lambda work: work(),
-    )
+    tuner = stepped_tuner(store, clock, rates)
     fake, reconciler = small_and_large_fleet(store, clock, tuner)
     if not booted:
         fake.never_run(LARGE)  # the larges boot for longer than the test looks
@@ -500,13 +506,7 @@ def test_a_mix_change_stops_the_old_mix_only_once_the_new_one_serves(
     assert {t: n for t, n in planned["stages"][0]["fleet"].items() if n} == {SMALL: 5}
     clock = FakeClock(start_s=1000.0)
     rates = [(0.0, 100.0)]
-    tuner = LiveTuner(
-        store,
-        clock,
-        functools.partial(stepped_arrivals, clock, rates),
-        resolve,
-        submit=lambda work: work(),
-    )
+    tuner = stepped_tuner(store, clock, rates)
     fake = FakeProvisioner(now=clock.utcnow)
     fake.never_run(GPU)  # its worker serves when the test says
     reconciler = Reconciler(
