@@ -479,6 +479,14 @@ class Settings(BaseSettings):
         " the risen spot capacity to cheaper choices, so that the move comes before the budget"
         " is breached (docs/spot.md)",
     )
+    spot_return_hold_s: float = Field(
+        default=300.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long a spot price must stay at or below the type's on-demand price less"
+        " spot_headroom_share of it before the instances a rise moved on demand go back to spot"
+        " (so that a price that flaps does not flap the fleet; docs/spot.md), s",
+    )
     spot_replan_move_share: float = Field(
         default=0.25,
         ge=0,

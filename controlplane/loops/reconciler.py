@@ -121,7 +121,13 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     prices now: the rows leaving (rule 9: draining, or serving until their replacement does)
     go first where the fleet and they cost more than the budget, then the budget guard (rule 6)
     drains the least cost-effective kept rows (the dearer spot ones first), and rule 7 replaces
-    them where the budget allows, on demand once spot is no cheaper.
+    them where the budget allows, on demand once spot is no cheaper. Back to spot: where the plan
+    wants more of a type on spot than are kept on spot and its spot price has stayed at or below
+    its on-demand price less ``headroom_share`` of it for the hold (``spot_fallen``), the type's
+    own on-demand rows return to spot (a :class:`SpotReturned` action, a ``spot_return``
+    decision): made before the break as the budget pays for both, else one row of the app at a
+    time terminated (cause ``spot_return``) before its spot replacement is launched, where its
+    stage keeps another serving row of at least its capacity; within the disruption budget.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -231,9 +237,11 @@ __all__ = [
     "DEFAULT_MISSING_GRACE_S",
     "DEFAULT_PROFILE_RUN_TIMEOUT_S",
     "DEFAULT_SPOT_HEADROOM_SHARE",
+    "DEFAULT_SPOT_RETURN_HOLD_S",
     "DEFAULT_STRAGGLER_TIMEOUT_S",
     "PROFILE_RUN_MISSED_BEATS",
     "SPOT_READ_WARN_EVERY_S",
+    "SPOT_RETURN_DRAIN",
     "Action",
     "Adopt",
     "AppPricing",
@@ -250,6 +258,7 @@ __all__ = [
     "Reconciler",
     "Report",
     "SpotRepriced",
+    "SpotReturned",
     "Terminate",
     "applied_plan_fleet",
     "applied_plan_spot",
@@ -305,6 +314,13 @@ DEFAULT_INTERRUPTION_MARGIN_S = 15.0
 # share of it at the prices now, so that a rise in steps is acted on before it breaches the
 # budget (a tenth: a 10 % rise of an all-spot fleet planned at 90 % of its budget is caught).
 DEFAULT_SPOT_HEADROOM_SHARE = 0.1
+# Rule 10's move back to spot: a type the plan buys on spot whose instances run on demand (a rise
+# moved them there) goes back once its spot price has stayed at or below its on-demand price less
+# the headroom share of it for this long, so that a price that flaps does not flap the fleet
+# (the launch back-off's five minutes).
+DEFAULT_SPOT_RETURN_HOLD_S = DEFAULT_LAUNCH_BACKOFF_S
+# How the reason of the move back's drain starts: what tells a later tick why it drains.
+SPOT_RETURN_DRAIN = "spot_return:"
 
 
 # --- actions -----------------------------------------------------------------------------------
@@ -332,7 +348,8 @@ class Launch:
 class Terminate:
     """Terminate: the rows ``instance_ids`` move to ``terminating`` (a decision recorded first),
     then the provider is asked to stop ``provider_ids``. ``cause`` is ``scale_down``, ``budget``,
-    ``straggler``, ``unresponsive``, ``profile_run_gone``, ``teardown``, ``stopped`` or ``ended``
+    ``straggler``, ``unresponsive``, ``profile_run_gone``, ``teardown``, ``spot_price``,
+    ``spot_return``, ``stopped`` or ``ended``
     (a row that ended while its machine runs on: only the provider is asked, again)."""
 
     instance_ids: tuple[str, ...]
@@ -475,6 +492,22 @@ class SpotRepriced:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class SpotReturned:
+    """Rule 10's move back: ``count`` of ``instance_type``'s on-demand instances go back to spot
+    (the plan buys the type on spot), its spot price (``spot_usd_per_hr``) having stayed below
+    its on-demand price (``on_demand_usd_per_hr``) by the margin for the hold; ``how`` is
+    ``make_before_break`` (the spot one launched next to the one it replaces) or
+    ``break_then_make`` (the on-demand one goes first: the budget has no room for both)."""
+
+    instance_type: str
+    count: int
+    spot_usd_per_hr: float
+    on_demand_usd_per_hr: float
+    how: str
+    reason: str
+
+
 Action = (
     Launch
     | Terminate
@@ -487,6 +520,7 @@ Action = (
     | DrainDeferred
     | InterruptionHandled
     | SpotRepriced
+    | SpotReturned
 )
 
 
@@ -612,6 +646,7 @@ def reconcile(
     used_request_ids: Callable[[], Iterable[str]] | None = None,
     drain_causes: Mapping[str, str] | None = None,
     missing_since: Mapping[str, datetime] | None = None,
+    spot_fallen: Collection[str] = (),
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -652,8 +687,10 @@ def reconcile(
     drained it; the cause of its ``terminate`` once drained). ``missing_since``: row id -> when
     the provider's list was first seen without the row's machine, in the run of ticks up to
     this one (None: every row is taken to have been missing since its last update); rule 3
-    ends a row once it has been missing for ``missing_grace_s`` by both. The rules are the
-    module docstring's; the actions come in the order they must be carried out.
+    ends a row once it has been missing for ``missing_grace_s`` by both. ``spot_fallen``: the
+    types whose spot price has stayed at or below their on-demand price less ``headroom_share``
+    of it for the hold (rule 10's move back to spot). The rules are the module docstring's; the
+    actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -741,6 +778,41 @@ def reconcile(
             kept, rows, rise, choices, unavailable | risen, desired, notices or {}, actions, blocked
         )
         leaving += moving
+    if desired is not None and desired_spot:
+        # Rule 10's move back: on-demand rows of a type the plan buys on spot return to spot once
+        # its price has fallen back and stayed down.
+        paid = float(
+            sum(
+                row.record.price_usd_per_hr
+                for row in rows
+                if row.state in _KEPT or row.state is _S.DRAINING or _still_billed(row)
+            )
+        )
+        kept, returning = _move_back_to_spot(
+            kept,
+            rows,
+            _Return(
+                desired,
+                desired_spot,
+                frozenset(spot_fallen) - risen - unavailable - frozenset(spot_on_demand),
+                risen,
+                prices_usd_per_hr,
+                spot_prices,
+                values,
+                stages,
+                notices or {},
+                budget_usd_per_hr - paid,
+                (
+                    disruption.remaining(
+                        sum(1 for row in kept if row.state is _S.RUNNING), disrupted_in_window
+                    )
+                    if disruption is not None
+                    else len(rows)
+                ),
+            ),
+            actions,
+        )
+        leaving += returning
     spared: list[_Row] = []
     if desired is not None:
         kept, spared, drained = _drop_excess(
@@ -1182,6 +1254,8 @@ def _act_on_notices(
                 why = f"drained before its interruption (deadline {deadline.isoformat()})"
             elif cause == "scale_down":
                 why = f"drained for {drain_s:g} s after its scale-down"
+            elif cause == "spot_return":
+                why = f"drained for {drain_s:g} s: its spot replacement serves in its place"
             else:
                 why = (
                     f"drained for {drain_s:g} s (its interruption, or a move off a risen spot"
@@ -1761,6 +1835,186 @@ def _move_before_break(
     return [row for row in kept if row.id not in gone], going
 
 
+@dataclass(slots=True)
+class _Return:
+    """What rule 10's move back to spot reads: the desired fleet and its spot share, the types
+    whose fall has held (``fallen``) and those risen now, the prices (on demand, spot now), Q_t,
+    the stages' types, the notices, the room left in the budget at the prices now (what the
+    live fleet, draining rows included, leaves) and how many serving rows the disruption budget
+    lets go now."""
+
+    desired: Mapping[str, int]
+    desired_spot: Mapping[str, int]
+    fallen: frozenset[str]
+    risen: frozenset[str]
+    prices_usd_per_hr: Mapping[str, float]
+    spot_now: Mapping[str, float]
+    qps_by_type: Mapping[str, float]
+    stages: Mapping[str, Collection[str]]
+    notices: Mapping[str, datetime]
+    room_usd_per_hr: float
+    allowed: int
+
+
+def _move_back_to_spot(
+    kept: list[_Row], rows: Sequence[_Row], ctx: _Return, actions: list[Action]
+) -> tuple[list[_Row], list[_Row]]:
+    """Rule 10's move back to spot (docs/spot.md): a type's on-demand rows (its own, not
+    stand-ins) return to spot while the plan wants more of its instances on spot than are kept
+    on spot, once its spot price has held at or below its on-demand price less the margin
+    (``ctx.fallen``). Make before break, as many as the budget pays the spot one for next to
+    them and the disruption budget allows: a *returning* row is no longer kept (rule 7 launches
+    its spot replacement, the returning rows' cost reserved), serves on until the type's other
+    rows serve its desired count, then drains (within the disruption budget; rule 9 ends it).
+    Where the budget has no room for one next to them: break then make, one row of the app at
+    a time, the row terminated before its spot replacement is launched, only while nothing else
+    of the move is under way, the fleet is within the budget, and its stage keeps another
+    serving row of at least its capacity (the reconciler has no measure of the load, so the rest
+    must carry at least what leaves). The kept rows, and the returning ones (paid for until
+    they go)."""
+    room = ctx.room_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+    allowed = ctx.allowed
+    going: list[_Row] = []
+    broken = False
+    for instance_type in sorted(ctx.desired_spot):
+        want_spot = ctx.desired_spot[instance_type]
+        if want_spot <= 0 or instance_type in ctx.risen:
+            continue
+        own_on_demand = sorted(
+            (
+                row
+                for row in kept
+                if row.record.instance_type == instance_type
+                and row.counted_type == instance_type
+                and row.record.market != "spot"
+                and row.share >= 1.0 - _UNIT_SLACK
+            ),
+            key=lambda r: (r.record.created_at, r.id),
+        )
+        if not own_on_demand:
+            continue
+        of_type = [row for row in kept if row.counted_type == instance_type]
+        spot_units = _units(row for row in of_type if row.record.market == "spot")
+        if spot_units <= 0 and instance_type not in ctx.fallen:
+            continue
+        # The rows whose spot replacement is kept already (the type's rows past its count).
+        replaced = 0
+        if spot_units > 0 and spot_units <= want_spot + _UNIT_SLACK:
+            over = _units(of_type) - ctx.desired.get(instance_type, 0)
+            replaced = min(len(own_on_demand), max(0, math.floor(over + _UNIT_SLACK)))
+        spot = ctx.spot_now.get(instance_type)
+        on_demand = ctx.prices_usd_per_hr.get(instance_type)
+        more = 0
+        how = "make_before_break"
+        if (
+            instance_type in ctx.fallen
+            and spot is not None
+            and on_demand is not None
+            and 0 <= spot < on_demand
+        ):
+            open_slots = math.floor(want_spot - spot_units + _UNIT_SLACK)
+            candidates = min(len(own_on_demand) - replaced, open_slots)
+            if candidates > 0 and allowed > 0:
+                by_room = int(max(0.0, room) // spot) if spot > 0 else candidates
+                more = min(candidates, by_room, allowed)
+                if more > 0:
+                    room -= more * spot
+                    allowed -= more
+                elif (
+                    not broken
+                    and not going
+                    and replaced == 0
+                    and room >= 0
+                    and not any(r.state is not _S.RUNNING for r in of_type)
+                    and _stage_carries(own_on_demand[0], kept, ctx)
+                ):
+                    more, how, broken = 1, "break_then_make", True
+                    allowed -= 1
+        if replaced + more == 0:
+            continue
+        if how == "break_then_make":
+            row = own_on_demand[0]
+            why = (
+                f"{instance_type}'s spot price fell to {plain(spot or 0.0)} USD/hr, below its"
+                f" on-demand price of {plain(on_demand or 0.0)} USD/hr, and stayed down: the plan"
+                f" buys it on spot; the budget has no room for a spot one next to it, so it goes"
+                " first and its spot replacement is launched in its place (its stage keeps"
+                " another serving instance of at least its capacity)"
+            )
+            actions.append(SpotReturned(instance_type, 1, spot or 0.0, on_demand or 0.0, how, why))
+            _terminate([row], "spot_return", why, actions)
+            kept = [r for r in kept if r.id != row.id]
+            continue
+        chosen = own_on_demand[: replaced + more]
+        if more:
+            actions.append(
+                SpotReturned(
+                    instance_type,
+                    more,
+                    spot or 0.0,
+                    on_demand or 0.0,
+                    how,
+                    f"{instance_type}'s spot price fell to {plain(spot or 0.0)} USD/hr, below"
+                    f" its on-demand price of {plain(on_demand or 0.0)} USD/hr, and stayed down:"
+                    f" the plan buys it on spot; {more} on demand move back, each spot one"
+                    " launched next to the one it replaces within the budget, which drains once"
+                    " it serves",
+                )
+            )
+        chosen_ids = {row.id for row in chosen}
+        serving = _units(
+            row
+            for row in rows
+            if row.state is _S.RUNNING
+            and row.counted_type == instance_type
+            and row.id not in chosen_ids
+            and (row.provider_id or "") not in ctx.notices
+        )
+        for row in chosen[:replaced]:  # the newly returning ones wait for their replacement
+            if (
+                row.state is _S.RUNNING
+                and serving >= ctx.desired.get(instance_type, 0) - _UNIT_SLACK
+                and allowed > 0
+            ):
+                allowed -= 1
+                _mark(
+                    row,
+                    _S.DRAINING,
+                    f"{SPOT_RETURN_DRAIN} back to {instance_type} on spot at"
+                    f" {plain(spot or 0.0)} USD/hr (on demand {plain(on_demand or 0.0)} USD/hr):"
+                    " its spot replacement serves; no new queries",
+                    actions,
+                )
+        going += chosen
+    gone = {row.id for row in going}
+    return [row for row in kept if row.id not in gone], going
+
+
+def _stage_carries(leaving: _Row, kept: Sequence[_Row], ctx: _Return) -> bool:
+    """Whether ``leaving``'s stage keeps another serving row (running, under no notice) of at
+    least its capacity (Q_t; unknown: only its own type counts), so that the stage still serves
+    while its replacement boots."""
+    instance_type = leaving.record.instance_type
+    groups = [set(types) for types in ctx.stages.values() if instance_type in types]
+    need = ctx.qps_by_type.get(instance_type)
+    for row in kept:
+        if (
+            row.id == leaving.id
+            or row.state is not _S.RUNNING
+            or (row.provider_id or "") in ctx.notices
+        ):
+            continue
+        if groups and not any(
+            row.counted_type in g or row.record.instance_type in g for g in groups
+        ):
+            continue
+        other = row.record.instance_type
+        serves = ctx.qps_by_type.get(other)
+        if other == instance_type or (need is not None and serves is not None and serves >= need):
+            return True
+    return False
+
+
 def _shed_leaving(
     kept: Sequence[_Row], leaving: Sequence[_Row], budget_usd_per_hr: float, actions: list[Action]
 ) -> list[_Row]:
@@ -2176,7 +2430,8 @@ class Reconciler:
     the provider's ``running`` is taken as healthy); ``liveness`` finds the running workers
     that stopped answering, which are replaced (rule 3; None: never probed); ``disruption`` is
     the disruption budget of rule 5 (``None``: voluntary drains are not rate-limited);
-    ``profile_run_timeout_s`` is rule 8's; ``spot_headroom_share`` rule 10's.
+    ``profile_run_timeout_s`` is rule 8's; ``spot_headroom_share`` and ``spot_return_hold_s``
+    (how long a fall must hold before on-demand rows move back to spot) rule 10's.
     :attr:`before_budget_drain`, when set, runs with the app's name before a drain to the
     budget is carried out (the gear switcher's ``budget_changed``: a cascade moves to a faster
     gear before its fleet shrinks, whichever process took the budget change).
@@ -2203,10 +2458,20 @@ class Reconciler:
         interruption_margin_s: float = DEFAULT_INTERRUPTION_MARGIN_S,
         desired_spot: DesiredFleet | None = None,
         spot_headroom_share: float = DEFAULT_SPOT_HEADROOM_SHARE,
+        spot_return_hold_s: float = DEFAULT_SPOT_RETURN_HOLD_S,
     ) -> None:
         if not 0.0 <= spot_headroom_share < 1.0:
             raise ValueError(f"spot_headroom_share must be in [0, 1), got {spot_headroom_share!r}")
+        if not (spot_return_hold_s >= 0 and math.isfinite(spot_return_hold_s)):
+            raise ValueError(
+                f"spot_return_hold_s must be finite and >= 0, got {spot_return_hold_s!r}"
+            )
         self.spot_headroom_share = spot_headroom_share
+        self.spot_return_hold_s = spot_return_hold_s
+        # Rule 10's move back: (app, type) -> since when (monotonic) its spot price has stayed
+        # at or below its on-demand price less the headroom share (this process's ticks: a new
+        # leader waits the hold again).
+        self._spot_low_since_s: dict[tuple[str, str], float] = {}
         self.store = store
         self.provisioner = provisioner
         self.clock = clock
@@ -2363,6 +2628,7 @@ class Reconciler:
         pricing = self._live_spot_prices(pricing, spot_types | stand_in_types, failed)
         if not failed:  # a provider that could not be read now leaves the rows as they are
             self._record_prices_now(app.name, rows, pricing.spot_prices_usd_per_hr)
+        fallen = self._spot_fallen(app.name, desired_spot, pricing, now_s, read=not failed)
         waiting = {r.instance_type for r in rows if r.state == _S.REQUESTED.value}
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
@@ -2419,6 +2685,7 @@ class Reconciler:
             ),
             drain_causes=self._drain_causes(rows),
             missing_since=self._note_missing(app.name, rows, observed, now),
+            spot_fallen=fallen,
         )
         if desired is not None and observed is not None and not teardown:
             self._held_back[app.name] = self._held_back_of(app.name, desired, rows, actions)
@@ -2572,6 +2839,44 @@ class Reconciler:
         self._stand_in_shares[app] = {i: f for i, f in shares.items() if i in live}
         return dict(self._stand_ins[app])
 
+    def _spot_fallen(
+        self,
+        app: str,
+        desired_spot: Mapping[str, int],
+        pricing: AppPricing,
+        now_s: float,
+        *,
+        read: bool,
+    ) -> frozenset[str]:
+        """Rule 10's move back: the types the plan buys on spot whose spot price now has stayed
+        at or below their on-demand price less ``spot_headroom_share`` of it for
+        ``spot_return_hold_s`` (the run of such ticks is timed here; a tick above it ends the
+        run). A tick whose prices could not be read moves nothing back and ends no run."""
+        if not read:
+            return frozenset()
+        fallen: set[str] = set()
+        spot_now = pricing.spot_prices_usd_per_hr or {}
+        for instance_type, count in desired_spot.items():
+            key = (app, instance_type)
+            spot = spot_now.get(instance_type)
+            on_demand = pricing.prices_usd_per_hr.get(instance_type)
+            low = (
+                count > 0
+                and spot is not None
+                and on_demand is not None
+                and spot <= on_demand * (1.0 - self.spot_headroom_share) + _BUDGET_SLACK_USD_PER_HR
+                and spot < on_demand
+            )
+            if not low:
+                self._spot_low_since_s.pop(key, None)
+                continue
+            since = self._spot_low_since_s.setdefault(key, now_s)
+            if now_s - since >= self.spot_return_hold_s:
+                fallen.add(instance_type)
+        for key in [k for k in self._spot_low_since_s if k[0] == app and k[1] not in desired_spot]:
+            del self._spot_low_since_s[key]
+        return frozenset(fallen)
+
     def spot_prices_now(self, app: AppRecord, types: Collection[str]) -> dict[str, float]:
         """The spot prices now of those of ``types`` the app's catalog sells on spot: the
         provider's where it reads them (rule 10's prices), else the catalog's."""
@@ -2631,6 +2936,8 @@ class Reconciler:
             events = self.store.list_instance_events(instance_id=row.id, limit=1)
             if events and events[-1].reason.startswith(SCALE_DOWN_DRAIN):
                 causes[row.id] = "scale_down"
+            elif events and events[-1].reason.startswith(SPOT_RETURN_DRAIN):
+                causes[row.id] = "spot_return"
         return causes
 
     def _record_prices_now(
@@ -2850,6 +3157,19 @@ class Reconciler:
                     "moved": action.moved,
                 },
                 key=f"{action.instance_type}:{action.price_usd_per_hr:g}",
+            )
+        elif isinstance(action, SpotReturned):
+            self.store.record_decision(
+                app.name,
+                "spot_return",
+                f"{action.count} {action.instance_type} back to spot: {action.reason}",
+                {
+                    "instance_type": action.instance_type,
+                    "count": action.count,
+                    "spot_usd_per_hr": action.spot_usd_per_hr,
+                    "on_demand_usd_per_hr": action.on_demand_usd_per_hr,
+                    "how": action.how,
+                },
             )
         elif isinstance(action, Report):
             logger.warning("reconcile %s: %s %s", app.name, action.provider_id, action.reason)

@@ -289,17 +289,20 @@ def build_reconciler(
     profile_run_heartbeat_s: float | None = None,
     spot_headroom_share: float | None = None,
     liveness: Liveness | None = None,
+    spot_return_hold_s: float | None = None,
 ) -> Reconciler:
     """The reconciler over ``provisioner``, pricing apps from their specs (through
     ``resolver``); ``desired_fleet`` is the live tuner's (default: each app's applied plan);
     ``disruption`` bounds its voluntary drains (default: the reconciler's); a profile run's
     workers are its run's for four ``profile_run_heartbeat_s`` after its last heartbeat
-    (default: the reconciler's); ``spot_headroom_share`` is rule 10's (default: the
-    reconciler's); ``liveness`` finds the running workers to replace (default: none probed;
-    :func:`worker_liveness`)."""
+    (default: the reconciler's); ``spot_headroom_share`` and ``spot_return_hold_s`` are rule
+    10's (default: the reconciler's); ``liveness`` finds the running workers to replace
+    (default: none probed; :func:`worker_liveness`)."""
     extra: dict[str, Any] = {} if disruption is None else {"disruption": disruption}
     if spot_headroom_share is not None:
         extra["spot_headroom_share"] = spot_headroom_share
+    if spot_return_hold_s is not None:
+        extra["spot_return_hold_s"] = spot_return_hold_s
     if profile_run_heartbeat_s is not None:
         extra["profile_run_timeout_s"] = PROFILE_RUN_MISSED_BEATS * profile_run_heartbeat_s
     return Reconciler(
@@ -854,6 +857,7 @@ def build_service(
         profile_run_heartbeat_s=settings.profile_run_heartbeat_s,
         spot_headroom_share=settings.spot_headroom_share,
         liveness=worker_liveness(settings),
+        spot_return_hold_s=settings.spot_return_hold_s,
     )
     # A spot price rise past the budget moves the gear as a budget cut does (docs/spot.md).
     live_gears.spot_prices = reconciler.spot_prices_now

@@ -371,3 +371,161 @@ def test_a_budget_cap_says_the_price_and_market_of_what_it_did_not_launch(
         assert "the fleet already costs 0.060 USD/hr" in capped.reason
     finally:
         world.close()
+
+
+# --- back to spot once the price has fallen -----------------------------------------------------
+
+_HOLD_S = 30.0  # the tests' spot_return_hold_s: six ticks of 5 s
+
+
+def _risen_on_demand_then_fallen(world: PricedWorld) -> None:
+    """Three small ones on spot at 0.015 whose price rises to 0.06 (past its own on-demand
+    price, 0.05): they move on demand; then the price falls back to 0.015."""
+    world.reconciler.spot_return_hold_s = _HOLD_S
+    world.serve_three_small_on_spot()
+    world.spot_prices[SMALL] = 0.06
+    for _ in range(6):
+        world.tick()
+    assert world.kept() == [(SMALL, "on-demand")] * 3
+    world.spot_prices[SMALL] = 0.015
+
+
+@pytest.mark.parametrize(
+    ("budget", "headroom", "before_break"), [(0.16, 0.1, False), (0.35, 0.5, True)]
+)
+def test_a_fall_after_a_rise_moves_the_fleet_back_to_spot(
+    template_db: Path, tmp_path: Path, budget: float, headroom: float, before_break: bool
+) -> None:
+    # A tester's sweep: after a rise had moved the plan's spot instances on demand, a fall
+    # moved nothing back, and the app paid the on-demand price for good after a transient
+    # spike. Under the budget of 0.16 the three on demand (0.15) leave no room for a spot one
+    # next to them (0.015): one goes before its spot replacement is launched (break then
+    # make), the others move while the room allows; under 0.35 each spot one is launched next
+    # to the one it replaces (make before break: never fewer than three serving).
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(template_db, tmp_path, budget, {SMALL: 0.015, LARGE: 0.5}, prices, headroom)
+    try:
+        _risen_on_demand_then_fallen(world)
+        # The fall must hold for spot_return_hold_s before anything moves.
+        for _ in range(int(_HOLD_S // 5) - 1):
+            assert not launches(world.tick())
+        # The on-demand ones drain one per window of the disruption budget (60 s: 12 ticks).
+        for _ in range(60):
+            world.tick()  # the cap at the prices now, every tick
+            if before_break:
+                assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert world.kept() == [(SMALL, "spot")] * 3
+        assert world.cost_now() == pytest.approx(0.045)
+        moves = world.store.list_decisions(APP, kinds=["spot_return"])
+        assert sum(d.numbers["count"] for d in moves) == 3
+        assert {d.numbers["how"] for d in moves} >= (
+            {"make_before_break"} if before_break else {"break_then_make"}
+        )
+        assert all(d.numbers["spot_usd_per_hr"] == 0.015 for d in moves)
+        assert all(d.numbers["on_demand_usd_per_hr"] == 0.05 for d in moves)
+        assert "fell to 0.015 USD/hr" in moves[0].reason, moves[0].reason
+    finally:
+        world.close()
+
+
+def test_a_fall_that_does_not_hold_moves_nothing_back(template_db: Path, tmp_path: Path) -> None:
+    # The price falls for less than the hold, rises back to 0.06 and falls again, over and
+    # over: the fleet stays on demand (no flapping), then moves once a fall holds.
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    try:
+        _risen_on_demand_then_fallen(world)
+        for _ in range(4):
+            for _ in range(int(_HOLD_S // 5) - 1):
+                assert not launches(world.tick())
+            world.spot_prices[SMALL] = 0.06
+            assert not launches(world.tick())
+            world.spot_prices[SMALL] = 0.015
+        assert world.kept() == [(SMALL, "on-demand")] * 3
+        # A fall to just under the on-demand price, within the margin (the headroom share of
+        # it), is no reason to move either.
+        world.spot_prices[SMALL] = 0.049
+        for _ in range(20):
+            assert not launches(world.tick())
+        assert world.kept() == [(SMALL, "on-demand")] * 3
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize(("budget", "headroom", "moves"), [(0.055, 0.1, False), (0.07, 0.5, True)])
+def test_a_stage_of_one_instance_is_not_broken_to_move_it_back(
+    template_db: Path, tmp_path: Path, budget: float, headroom: float, moves: bool
+) -> None:
+    # One small one on demand after the rise, under a budget that pays for it alone (0.055):
+    # break then make would leave the stage serving nothing while the spot one boots, so it
+    # stays on demand; with room for both (0.07) it moves, made before the break.
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(template_db, tmp_path, budget, {SMALL: 0.015, LARGE: 0.5}, prices, headroom)
+    try:
+        world.reconciler.spot_return_hold_s = _HOLD_S
+        apply_spot_plan(world.store, {SMALL: 1}, {SMALL: 1})
+        for _ in range(3):
+            world.tick()
+        world.spot_prices[SMALL] = 0.06
+        for _ in range(6):
+            world.tick()
+        assert world.kept() == [(SMALL, "on-demand")]
+        world.spot_prices[SMALL] = 0.015
+        for _ in range(40):
+            world.tick()
+            assert world.store.list_instances(APP, states=["running"])
+        assert world.kept() == [(SMALL, "spot" if moves else "on-demand")]
+    finally:
+        world.close()
+
+
+_SMALL_PRICE = st.sampled_from([0.005, 0.015, 0.03, 0.045, 0.06, 0.07])
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    budget=st.sampled_from([0.16, 0.2, 0.35]),
+    headroom=st.sampled_from([0.0, 0.1, 0.5]),
+    on_demand_base=st.booleans(),
+    path=st.lists(
+        st.tuples(_SMALL_PRICE, st.booleans(), st.integers(1, 10)), min_size=4, max_size=8
+    ),
+)
+def test_the_cap_holds_at_every_tick_while_prices_rise_and_fall_back(
+    template_db: Path,
+    budget: float,
+    headroom: float,
+    on_demand_base: bool,
+    path: list[tuple[float, bool, int]],
+) -> None:
+    # Small ones the plan buys on spot (one more on demand with ``on_demand_base``), the large
+    # type too dear to stand in: rises past 0.05 move them on demand, falls move them back
+    # (a short hold, 5 s), each price held for some ticks, notices draining instances meanwhile;
+    # the cost at the prices now within the budget after every tick.
+    spot_prices = {SMALL: 0.015, LARGE: 0.5}
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    with tempfile.TemporaryDirectory() as directory:
+        world = PricedWorld(
+            template_db, Path(directory), budget, spot_prices, prices, headroom_share=headroom
+        )
+        world.reconciler.spot_return_hold_s = 5.0
+        try:
+            apply_spot_plan(world.store, {SMALL: 3 + on_demand_base}, {SMALL: 3})
+            for _ in range(3):
+                world.tick()
+            for small, notice, ticks in path:
+                spot_prices[SMALL] = small
+                if notice:
+                    running = world.store.list_instances(APP, states=["running"])
+                    spot = [r.provider_id for r in running if r.market == "spot"]
+                    if spot and spot[0] is not None:
+                        world.fake.interrupt(spot[0], 60.0)
+                for _ in range(ticks):
+                    world.tick()  # checks the cap at the prices now
+        finally:
+            world.close()
