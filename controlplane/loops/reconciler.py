@@ -1811,15 +1811,7 @@ def _move_before_break(
             continue
         # The oldest first (the first to have risen above their launch price), by id among equals.
         chosen = sorted(own, key=lambda r: (r.record.created_at, r.id))[:take]
-        chosen_ids = {row.id for row in chosen}
-        serving = _units(
-            row
-            for row in rows
-            if row.state is _S.RUNNING
-            and row.counted_type == instance_type
-            and row.id not in chosen_ids
-            and (row.provider_id or "") not in notices
-        )
+        serving = _serving_units(rows, instance_type, {row.id for row in chosen}, notices)
         for row in chosen:
             if row.state is _S.RUNNING and serving >= desired.get(instance_type, 0) - _UNIT_SLACK:
                 _mark(
@@ -1854,6 +1846,24 @@ class _Return:
     notices: Mapping[str, datetime]
     room_usd_per_hr: float
     allowed: int
+
+
+def _serving_units(
+    rows: Sequence[_Row],
+    instance_type: str,
+    leaving: Collection[str],
+    notices: Mapping[str, datetime],
+) -> float:
+    """How much of ``instance_type`` (in units of one: a stand-in by its share) the running rows
+    other than ``leaving`` (row ids) serve, those under an interruption notice left out."""
+    return _units(
+        row
+        for row in rows
+        if row.state is _S.RUNNING
+        and row.counted_type == instance_type
+        and row.id not in leaving
+        and (row.provider_id or "") not in notices
+    )
 
 
 def _move_back_to_spot(
@@ -1961,15 +1971,7 @@ def _move_back_to_spot(
                     " it serves",
                 )
             )
-        chosen_ids = {row.id for row in chosen}
-        serving = _units(
-            row
-            for row in rows
-            if row.state is _S.RUNNING
-            and row.counted_type == instance_type
-            and row.id not in chosen_ids
-            and (row.provider_id or "") not in ctx.notices
-        )
+        serving = _serving_units(rows, instance_type, {row.id for row in chosen}, ctx.notices)
         for row in chosen[:replaced]:  # the newly returning ones wait for their replacement
             if (
                 row.state is _S.RUNNING
