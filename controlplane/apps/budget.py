@@ -279,7 +279,6 @@ def record_budget_drain(
             for i in live
             if is_profile_worker(i.request_id)
         },
-        keep_last=not force,
     )
     note = None
     if drain.drain:

@@ -345,16 +345,17 @@ def guard_drain(
     stage_types: Mapping[str, Collection[str]] | None = None,
     *,
     workers: Mapping[str, str] | None = None,
-    keep_last: bool = False,
 ) -> DrainPlan:
     """The budget guard's drain (the reconciler's rule 6), which a budget change's
     ``budget_drain`` decision names too, so that the decision says what is drained:
     :func:`plan_drain`'s least cost-effective first, unless that leaves a stage (``stage_types``)
     that has a kept instance of its types with none, or one that serves now (``running``) with
     none serving, and the fleet that keeps one per stage (:func:`plan_drain` with the stages,
-    whose keepers serve before those still booting) fits the budget (or ``keep_last``: an
-    unforced budget change, which keeps a stage's last instance even below the floor, as after
-    a forced cut and a raise still under it): then that one. A cheap
+    whose keepers serve before those still booting) fits the budget: then that one. The budget
+    is a hard limit, forced or not: where the fleet that keeps one per stage does not fit (its
+    serving keeper dearer than the budget, or a budget still below the floor after a forced
+    cut and a raise), the guard drains least cost-effective first, and so does the decision
+    (a decision that kept more named instances the guard did not drain). A cheap
     instance serving beside a dear one still booting (a mix change on a rise) is the least
     cost-effective; drained first, the stage served nothing until the dear one booted.
 
@@ -397,7 +398,7 @@ def guard_drain(
         instances, budget_usd_per_hr, qps_by_type, stage_types=stage_types, workers=workers
     )
     # The same tolerance as the drain's: 0.1 + 0.2 fits a budget of 0.3.
-    if keep_last or keeping.kept_cost_usd_per_hr <= budget_usd_per_hr + 1e-9:
+    if keeping.kept_cost_usd_per_hr <= budget_usd_per_hr + 1e-9:
         return keeping
     return drain
 

@@ -8,6 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from controlplane.apps.budget import record_budget_drain
+from controlplane.db.store import InstanceRecord
+from controlplane.loops.reconciler import Terminate, reconcile
 from controlplane.policies.drain import DrainInstance, plan_drain, serving_floor
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -116,7 +119,8 @@ def test_the_serving_floor_of_no_plan_or_unpriced_types_is_zero() -> None:
     assert serving_floor({"m": {"z9.odd": 1}}, PRICE).cost_usd_per_hr == 0.0
     assert serving_floor({}, PRICE).describe() == "no instance"
     same = serving_floor({"a": {"cpu": 1}, "b": {"cpu": 4, "gpu": 1}}, PRICE)
-    assert (same.cost_usd_per_hr, same.describe()) == (pytest.approx(0.4), "one cpu per stage")
+    assert same.cost_usd_per_hr == pytest.approx(0.4)
+    assert same.describe() == "one cpu per stage"
 
 
 def test_the_last_instance_of_each_stage_stays() -> None:
@@ -162,3 +166,69 @@ def test_at_or_above_the_floor_every_stage_keeps_an_instance(
     for planned in stages.values():
         if any(i.instance_type in planned for i in fleet):
             assert any(i.instance_type in planned for i in kept)
+
+
+class _DecisionStore:
+    """Just what ``record_budget_drain`` reads and writes of a store."""
+
+    def __init__(self, rows: list[InstanceRecord]) -> None:
+        self.rows = rows
+        self.decisions: list[tuple[str, str, dict[str, object]]] = []
+
+    def list_instances(self, app: str, states: list[str]) -> list[InstanceRecord]:
+        return [r for r in self.rows if r.state in states]
+
+    def record_decision(self, app: str, kind: str, reason: str, data: dict[str, object]) -> None:
+        self.decisions.append((kind, reason, data))
+
+
+def _row(name: str, itype: str, state: str, price: float) -> InstanceRecord:
+    return InstanceRecord(name, "app", f"app-{name}", f"i-{name}", itype, state, price, T0, T0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "budget"),
+    [
+        # A dear gpu serving beside a cheap cpu still booting: the stage's serving keeper (the
+        # gpu) alone is over a budget at or above the floor (one cpu), so the guard drains the
+        # gpu, not the cpu, and keeps within the budget.
+        ([("g", "gpu", "running", 1.0), ("c", "cpu", "pending", 0.05)], 0.1),
+        # A budget forced below the floor, then raised but still below it before the guard ran:
+        # the guard drains the last instance (the budget is a hard limit).
+        ([("c", "cpu", "running", 0.05)], 0.03),
+    ],
+)
+def test_the_budget_drain_decision_names_what_the_guard_drains(
+    rows: list[tuple[str, str, str, float]], budget: float
+) -> None:
+    """Not forced, ``record_budget_drain`` kept each stage's last instance even where the
+    budget could not pay for it (``keep_last``): the decision named other instances than the
+    reconciler's guard, which holds the budget, drained (and a kept cost over the budget)."""
+    records = [_row(*r) for r in rows]
+    store = _DecisionStore(records)
+    stages = {"m": {"cpu": 1, "gpu": 1}}
+    values = {"cpu": 25.0, "gpu": 100.0}  # per USD/hr: cpu 500, gpu 100
+    drain, _, _ = record_budget_drain(
+        store,  # type: ignore[arg-type]
+        "app",
+        budget,
+        "test",
+        stages,
+        values,
+    )
+    actions = reconcile(
+        {"cpu": 1, "gpu": 1},
+        records,
+        None,
+        {"cpu": 0.05, "gpu": 1.0},
+        budget,
+        T0,
+        600.0,
+        qps_by_type=values,
+        stage_types={"m": ["cpu", "gpu"]},
+    )
+    guarded = [a for a in actions if isinstance(a, Terminate) and a.cause == "budget"]
+    went = sorted(i for a in guarded for i in a.instance_ids)
+    assert sorted(c.id for c in drain.drain) == went
+    assert drain.kept_cost_usd_per_hr <= budget + 1e-9
+    assert [d[2]["drain"] for d in store.decisions] == [[c.id for c in drain.drain]]
