@@ -815,8 +815,17 @@ def reconcile(
         leaving += returning
     spared: list[_Row] = []
     if desired is not None:
+        # The serving rows the move back drained or ended this tick count against the same
+        # disruption budget as the scale-down's.
         kept, spared, drained = _drop_excess(
-            kept, desired, values, stages, disruption, disrupted_in_window, actions, silent
+            kept,
+            desired,
+            values,
+            stages,
+            disruption,
+            disrupted_in_window + _disrupted_now(rows, actions),
+            actions,
+            silent,
         )
         leaving += drained  # paid for until they go (rule 9 ends them once drained)
     reserved = _end_profiling_over_budget(kept, profiling, budget_usd_per_hr, actions, app)
@@ -1901,7 +1910,10 @@ def _move_back_to_spot(
             ),
             key=lambda r: (r.record.created_at, r.id),
         )
-        if not own_on_demand:
+        # The plan's on-demand base of the type stays on demand: only the rows past it move
+        # (a spot share filled by an on-demand stand-in leaves the base where it is).
+        surplus = len(own_on_demand) - max(0, ctx.desired.get(instance_type, 0) - want_spot)
+        if surplus <= 0:
             continue
         of_type = [row for row in kept if row.counted_type == instance_type]
         spot_units = _units(row for row in of_type if row.record.market == "spot")
@@ -1911,7 +1923,7 @@ def _move_back_to_spot(
         replaced = 0
         if spot_units > 0 and spot_units <= want_spot + _UNIT_SLACK:
             over = _units(of_type) - ctx.desired.get(instance_type, 0)
-            replaced = min(len(own_on_demand), max(0, math.floor(over + _UNIT_SLACK)))
+            replaced = min(surplus, max(0, math.floor(over + _UNIT_SLACK)))
         spot = ctx.spot_now.get(instance_type)
         on_demand = ctx.prices_usd_per_hr.get(instance_type)
         more = 0
@@ -1923,7 +1935,7 @@ def _move_back_to_spot(
             and 0 <= spot < on_demand
         ):
             open_slots = math.floor(want_spot - spot_units + _UNIT_SLACK)
-            candidates = min(len(own_on_demand) - replaced, open_slots)
+            candidates = min(surplus - replaced, open_slots)
             if candidates > 0 and allowed > 0:
                 by_room = int(max(0.0, room) // spot) if spot > 0 else candidates
                 more = min(candidates, by_room, allowed)
@@ -1990,6 +2002,21 @@ def _move_back_to_spot(
         going += chosen
     gone = {row.id for row in going}
     return [row for row in kept if row.id not in gone], going
+
+
+def _disrupted_now(rows: Sequence[_Row], actions: Sequence[Action]) -> int:
+    """How many serving rows the move back to spot took out of service in this tick's
+    ``actions`` so far (drained, or ended before their replacement): disruptions of the
+    disruption budget that the scale-down after it must count."""
+    running = {row.id for row in rows if row.state is _S.RUNNING}
+    gone: set[str] = set()
+    for action in actions:
+        if isinstance(action, Mark) and action.to_state is _S.DRAINING:
+            if action.reason.startswith(SPOT_RETURN_DRAIN):
+                gone.add(action.instance_id)
+        elif isinstance(action, Terminate) and action.cause == "spot_return":
+            gone.update(i for i in action.instance_ids if i in running)
+    return len(gone)
 
 
 def _stage_carries(leaving: _Row, kept: Sequence[_Row], ctx: _Return) -> bool:

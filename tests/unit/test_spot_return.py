@@ -1,0 +1,79 @@
+"""Rule 10's move back to spot, decided by :func:`controlplane.loops.reconciler.reconcile` alone:
+the disruption budget it shares with the scale-down, and the plan's on-demand base it keeps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from controlplane.db.store import InstanceRecord
+from controlplane.loops.reconciler import Launch, Mark, SpotReturned, Terminate
+from controlplane.policies.disruption import DisruptionBudget
+from tests.unit.test_reconciler import row, run
+
+SPOT = {"small": 0.015, "large": 0.5}
+
+
+def spot_row(instance_type: str, age_s: float) -> InstanceRecord:
+    record = row(instance_type, age_s=age_s)
+    return dataclasses.replace(record, market="spot", price_usd_per_hr=SPOT[instance_type])
+
+
+def test_the_move_back_and_a_scale_down_share_one_disruption_budget() -> None:
+    # Two small ones on demand whose spot replacements serve, and one large one too many: the
+    # disruption budget lets one serving instance go this tick, not one for each rule.
+    rows = [
+        row("small", age_s=600.0),
+        row("small", age_s=500.0),
+        spot_row("small", age_s=60.0),
+        spot_row("small", age_s=60.0),
+        row("large", age_s=300.0),
+        row("large", age_s=200.0),
+    ]
+    actions = run(
+        {"small": 2, "large": 1},
+        rows,
+        desired_spot={"small": 2},
+        spot_prices_usd_per_hr=SPOT,
+        spot_fallen={"small"},
+        disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0),
+    )
+    drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+    ended = [a for a in actions if isinstance(a, Terminate)]
+    assert len(drained) + sum(len(a.instance_ids) for a in ended) <= 1, actions
+
+
+def test_an_on_demand_stand_in_does_not_move_the_on_demand_base_to_spot() -> None:
+    # The plan {small: 4} with 2 on spot: 2 small on demand (its base), 1 small on spot and a
+    # large one on demand standing in for the other spot one. The base stays on demand.
+    base = [row("small", age_s=600.0), row("small", age_s=500.0)]
+    stand_in = row("large", age_s=100.0)
+    rows = [*base, spot_row("small", age_s=300.0), stand_in]
+    actions = run(
+        {"small": 4},
+        rows,
+        desired_spot={"small": 2},
+        spot_prices_usd_per_hr=SPOT,
+        spot_fallen={"small"},
+        stand_ins={stand_in.id: "small"},
+    )
+    assert not [a for a in actions if isinstance(a, SpotReturned)], actions
+    assert not [a for a in actions if isinstance(a, Launch)], actions
+
+
+def test_a_lingering_stand_in_does_not_drain_the_on_demand_base() -> None:
+    # The plan {small: 4} with 2 on spot, served as planned, and a large stand-in left over:
+    # the base is not drained to move it to spot.
+    base = [row("small", age_s=600.0), row("small", age_s=500.0)]
+    stand_in = row("large", age_s=100.0)
+    rows = [*base, spot_row("small", age_s=300.0), spot_row("small", age_s=300.0), stand_in]
+    actions = run(
+        {"small": 4},
+        rows,
+        desired_spot={"small": 2},
+        spot_prices_usd_per_hr=SPOT,
+        spot_fallen={"small"},
+        stand_ins={stand_in.id: "small"},
+    )
+    gone = {i for a in actions if isinstance(a, Terminate) for i in a.instance_ids}
+    gone |= {a.instance_id for a in actions if isinstance(a, Mark) and a.to_state == "draining"}
+    assert not gone & {r.id for r in base}, actions
