@@ -1899,20 +1899,23 @@ def _move_back_to_spot(
         want_spot = ctx.desired_spot[instance_type]
         if want_spot <= 0 or instance_type in ctx.risen:
             continue
+        own = [
+            row
+            for row in kept
+            if row.record.instance_type == instance_type
+            and row.counted_type == instance_type
+            and row.record.market != "spot"
+            and row.share >= 1.0 - _UNIT_SLACK
+        ]
+        # Only launched rows move: a request whose launch failed is launched again (rule 7),
+        # never taken as returning (it would be neither launched again nor ended).
         own_on_demand = sorted(
-            (
-                row
-                for row in kept
-                if row.record.instance_type == instance_type
-                and row.counted_type == instance_type
-                and row.record.market != "spot"
-                and row.share >= 1.0 - _UNIT_SLACK
-            ),
-            key=lambda r: (r.record.created_at, r.id),
+            (row for row in own if row.launched), key=lambda r: (r.record.created_at, r.id)
         )
         # The plan's on-demand base of the type stays on demand: only the rows past it move
         # (a spot share filled by an on-demand stand-in leaves the base where it is).
-        surplus = len(own_on_demand) - max(0, ctx.desired.get(instance_type, 0) - want_spot)
+        base = max(0, ctx.desired.get(instance_type, 0) - want_spot)
+        surplus = min(len(own_on_demand), len(own) - base)
         if surplus <= 0:
             continue
         of_type = [row for row in kept if row.counted_type == instance_type]
