@@ -778,6 +778,7 @@ def reconcile(
             kept, rows, rise, choices, unavailable | risen, desired, notices or {}, actions, blocked
         )
         leaving += moving
+    returned = 0  # serving rows the move back took out of service this tick
     if desired is not None and desired_spot:
         # Rule 10's move back: on-demand rows of a type the plan buys on spot return to spot once
         # its price has fallen back and stayed down.
@@ -788,7 +789,7 @@ def reconcile(
                 if row.state in _KEPT or row.state is _S.DRAINING or _still_billed(row)
             )
         )
-        kept, returning = _move_back_to_spot(
+        kept, returning, returned = _move_back_to_spot(
             kept,
             rows,
             _Return(
@@ -823,7 +824,7 @@ def reconcile(
             values,
             stages,
             disruption,
-            disrupted_in_window + _disrupted_now(rows, actions),
+            disrupted_in_window + returned,
             actions,
             silent,
         )
@@ -1877,7 +1878,7 @@ def _serving_units(
 
 def _move_back_to_spot(
     kept: list[_Row], rows: Sequence[_Row], ctx: _Return, actions: list[Action]
-) -> tuple[list[_Row], list[_Row]]:
+) -> tuple[list[_Row], list[_Row], int]:
     """Rule 10's move back to spot (docs/spot.md): a type's on-demand rows (its own, not
     stand-ins) return to spot while the plan wants more of its instances on spot than are kept
     on spot, once its spot price has held at or below its on-demand price less the margin
@@ -1889,10 +1890,12 @@ def _move_back_to_spot(
     a time, the row terminated before its spot replacement is launched, only while nothing else
     of the move is under way, the fleet is within the budget, and its stage keeps another
     serving row of at least its capacity (the reconciler has no measure of the load, so the rest
-    must carry at least what leaves). The kept rows, and the returning ones (paid for until
-    they go)."""
+    must carry at least what leaves). The kept rows, the returning ones (paid for until they
+    go), and how many serving rows it took out of service (drained, or ended before their
+    replacement): disruptions the scale-down after it counts against the same budget."""
     room = ctx.room_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
     allowed = ctx.allowed
+    disrupted = 0
     going: list[_Row] = []
     broken = False
     for instance_type in sorted(ctx.desired_spot):
@@ -1957,18 +1960,22 @@ def _move_back_to_spot(
                     allowed -= 1
         if replaced + more == 0:
             continue
+        fell = (
+            f"{instance_type}'s spot price fell to {plain(spot or 0.0)} USD/hr, below its"
+            f" on-demand price of {plain(on_demand or 0.0)} USD/hr, and stayed down: the plan"
+            " buys it on spot;"
+        )
         if how == "break_then_make":
             row = own_on_demand[0]
             why = (
-                f"{instance_type}'s spot price fell to {plain(spot or 0.0)} USD/hr, below its"
-                f" on-demand price of {plain(on_demand or 0.0)} USD/hr, and stayed down: the plan"
-                f" buys it on spot; the budget has no room for a spot one next to it, so it goes"
-                " first and its spot replacement is launched in its place (its stage keeps"
-                " another serving instance of at least its capacity)"
+                f"{fell} the budget has no room for a spot one next to it, so it goes first and"
+                " its spot replacement is launched in its place (its stage keeps another serving"
+                " instance of at least its capacity)"
             )
             actions.append(SpotReturned(instance_type, 1, spot or 0.0, on_demand or 0.0, how, why))
             _terminate([row], "spot_return", why, actions)
             kept = [r for r in kept if r.id != row.id]
+            disrupted += 1
             continue
         chosen = own_on_demand[: replaced + more]
         if more:
@@ -1979,11 +1986,8 @@ def _move_back_to_spot(
                     spot or 0.0,
                     on_demand or 0.0,
                     how,
-                    f"{instance_type}'s spot price fell to {plain(spot or 0.0)} USD/hr, below"
-                    f" its on-demand price of {plain(on_demand or 0.0)} USD/hr, and stayed down:"
-                    f" the plan buys it on spot; {more} on demand move back, each spot one"
-                    " launched next to the one it replaces within the budget, which drains once"
-                    " it serves",
+                    f"{fell} {more} on demand move back, each spot one launched next to the one"
+                    " it replaces within the budget, which drains once it serves",
                 )
             )
         serving = _serving_units(rows, instance_type, {row.id for row in chosen}, ctx.notices)
@@ -1994,6 +1998,7 @@ def _move_back_to_spot(
                 and allowed > 0
             ):
                 allowed -= 1
+                disrupted += 1
                 _mark(
                     row,
                     _S.DRAINING,
@@ -2004,22 +2009,7 @@ def _move_back_to_spot(
                 )
         going += chosen
     gone = {row.id for row in going}
-    return [row for row in kept if row.id not in gone], going
-
-
-def _disrupted_now(rows: Sequence[_Row], actions: Sequence[Action]) -> int:
-    """How many serving rows the move back to spot took out of service in this tick's
-    ``actions`` so far (drained, or ended before their replacement): disruptions of the
-    disruption budget that the scale-down after it must count."""
-    running = {row.id for row in rows if row.state is _S.RUNNING}
-    gone: set[str] = set()
-    for action in actions:
-        if isinstance(action, Mark) and action.to_state is _S.DRAINING:
-            if action.reason.startswith(SPOT_RETURN_DRAIN):
-                gone.add(action.instance_id)
-        elif isinstance(action, Terminate) and action.cause == "spot_return":
-            gone.update(i for i in action.instance_ids if i in running)
-    return len(gone)
+    return [row for row in kept if row.id not in gone], going, disrupted
 
 
 def _stage_carries(leaving: _Row, kept: Sequence[_Row], ctx: _Return) -> bool:
