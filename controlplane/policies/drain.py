@@ -226,6 +226,12 @@ def _value_per_usd(qps: float, price_usd_per_hr: float) -> float:
     return qps / price_usd_per_hr
 
 
+def _fits(cost_usd_per_hr: float, budget_usd_per_hr: float) -> bool:
+    """Whether a cost is within a budget, with a small tolerance: 0.1 + 0.2 fits a budget of
+    0.3."""
+    return cost_usd_per_hr <= budget_usd_per_hr + 1e-9
+
+
 def workers_to_end(
     fleet_usd_per_hr: float,
     workers: Iterable[tuple[str, str, float]],
@@ -249,8 +255,7 @@ def workers_to_end(
     reserved = float(sum(cost.values()))
     ended: list[str] = []
     for group in sorted(groups, key=lambda g: (g.startswith("rollout"), -cost[g], g)):
-        # The same tolerance as the drain's: 0.1 + 0.2 fits a budget of 0.3.
-        if fleet_usd_per_hr + reserved <= budget_usd_per_hr + 1e-9:
+        if _fits(fleet_usd_per_hr + reserved, budget_usd_per_hr):
             break
         ended.extend(worker_id for worker_id, _ in groups[group])
         reserved -= cost[group]
@@ -302,8 +307,7 @@ def plan_drain(
         ),
     )
     for instance in ranked:
-        # A small tolerance: 0.1 + 0.2 must fit a budget of 0.3.
-        if kept_cost <= budget_usd_per_hr + 1e-9:
+        if _fits(kept_cost, budget_usd_per_hr):
             break
         drain.append(
             _candidate(
@@ -397,8 +401,7 @@ def guard_drain(
     keeping = plan_drain(
         instances, budget_usd_per_hr, qps_by_type, stage_types=stage_types, workers=workers
     )
-    # The same tolerance as the drain's: 0.1 + 0.2 fits a budget of 0.3.
-    if keeping.kept_cost_usd_per_hr <= budget_usd_per_hr + 1e-9:
+    if _fits(keeping.kept_cost_usd_per_hr, budget_usd_per_hr):
         return keeping
     return drain
 
