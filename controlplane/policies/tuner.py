@@ -843,11 +843,10 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
                 left -= kept
         return total
 
-    def serving(stage: str, fleet: Mapping[str, int]) -> int:
-        """How many of ``stage``'s instances (``fleet``) serve now: its booting ones left out
-        (a stop takes a type's booting ones first)."""
-        booting = Counter(b.instance_type for b in tick.booting if b.stage == stage)
-        return sum(max(0, n - booting[name]) for name, n in fleet.items())
+    def serving(fleet: Mapping[str, int], booting: Mapping[str, int]) -> int:
+        """How many of a stage's instances (``fleet``) serve now: its ``booting`` ones (by type)
+        left out (a stop takes a type's booting ones first)."""
+        return sum(max(0, n - booting.get(name, 0)) for name, n in fleet.items())
 
     stuck: set[str] = set()  # over its cap, but every stage holding it is at its floor
 
@@ -872,6 +871,7 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
             if sum(fleet.values()) <= max(1, plan.min_instances):
                 continue
             others = min((r for n, r in reaches.items() if n != plan.name), default=math.inf)
+            booting = Counter(b.instance_type for b in tick.booting if b.stage == plan.name)
             for name, count in fleet.items():
                 price = prices[name]
                 if count <= 0 or (name != capped if capped is not None else price <= 0.0):
@@ -886,7 +886,7 @@ def _shed_to_limits(tick: _Tick, plans: Sequence[TunerStage]) -> bool:
                 dead_end = capped is None and floor_cost(plan.name, less) > budget
                 # Then what leaves the stage something serving: its last serving instance
                 # stopped, it served nothing until the one booting beside it booted.
-                strands = serving(plan.name, fleet) > 0 and serving(plan.name, less) == 0
+                strands = serving(fleet, booting) > 0 and serving(less, booting) == 0
                 options.append(
                     (kept, dead_end, strands, per_usd, -price, -count, plan.name, name, plan)
                 )
