@@ -422,8 +422,8 @@ class _Tick:
     pending: dict[str, float]
     ready: dict[str, float] = field(default_factory=dict)
     drained_s: float | None = None
-    # Instance id -> the type it counts as and how much of one (a stand-in's; else its own, 1).
-    counted_as: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # Instance id -> the stand-in it is (the type it counts as, how much of one); else its own.
+    counted_as: dict[str, StandIn] = field(default_factory=dict)
     capacity_now: dict[str, float] = field(default_factory=dict)
     counted: dict[tuple[str, str], float] = field(default_factory=dict)
     decisions: list[ScalingDecision] = field(default_factory=list)
@@ -432,7 +432,7 @@ class _Tick:
     def of(cls, ctx: ScalingContext, state: ScalerState, config: ScalingConfig) -> _Tick:
         fleet = dict(state.fleet)
         stand_ins = ctx.held_back.stand_ins if ctx.held_back is not None else {}
-        counted_as: dict[str, tuple[str, float]] = {}
+        counted_as: dict[str, StandIn] = {}
         ready: dict[str, float] = {}
         for inst in ctx.instances:
             # A stand-in is present for the type it stands in for (by its share), not for its
@@ -441,9 +441,9 @@ class _Tick:
             # fleet (taken into the fleet by a scale-up, and bought).
             stand_in = stand_ins.get(inst.instance_id)
             if stand_in is not None and stand_in.stands_for != inst.instance_type:
-                counted_as[inst.instance_id] = (stand_in.stands_for, stand_in.share)
-            t, share = counted_as.get(inst.instance_id, (inst.instance_type, 1.0))
-            ready[t] = ready.get(t, 0.0) + share
+                counted_as[inst.instance_id] = stand_in
+            counted = counted_as.get(inst.instance_id, StandIn(inst.instance_type))
+            ready[counted.stands_for] = ready.get(counted.stands_for, 0.0) + counted.share
         pending = {t: fleet.get(t, 0) - ready.get(t, 0.0) for t in set(fleet) | set(ready)}
         return cls(
             ctx=ctx,
@@ -461,7 +461,7 @@ class _Tick:
 
     def type_of(self, inst: ServedInstance) -> str:
         """The type ``inst`` counts as in the fleet: a stand-in's, the type it stands in for."""
-        return self.counted_as.get(inst.instance_id, (inst.instance_type, 1.0))[0]
+        return self.counted_as.get(inst.instance_id, StandIn(inst.instance_type)).stands_for
 
     def one_count_qps(self, model: str, inst: ServedInstance) -> float:
         """The capacity of ``model`` that one count of ``inst``'s type takes away, ``inst``
@@ -469,13 +469,13 @@ class _Tick:
         type, the most one count of them serves (k smaller ones, each 1/k, serve k Q_C; the
         reconciler ends the newest first, often a stand-in serving more than the one judged)."""
         t = self.type_of(inst)
-        _, share = self.counted_as.get(inst.instance_id, (t, 1.0))
+        share = self.counted_as.get(inst.instance_id, StandIn(t)).share
         removed = self.counted.get((model, inst.instance_id), 0.0) / share
         for other in self.serving(model):
             counted = self.counted_as.get(other.instance_id)
-            if counted is not None and counted[0] == t:
+            if counted is not None and counted.stands_for == t:
                 removed = max(
-                    removed, self.counted.get((model, other.instance_id), 0.0) / counted[1]
+                    removed, self.counted.get((model, other.instance_id), 0.0) / counted.share
                 )
         return removed
 
