@@ -178,20 +178,31 @@ def test_a_ladder_ends_below_the_serving_processs_capacity(store: Store, tmp_pat
         plan_app(resolved, scale_trace(planning, 3.0 * RATE_QPS), seed=0)
 
 
-def small_and_large_fleet(
-    store: Store, clock: FakeClock, tuner: LiveTuner
+def priced_fleet(
+    store: Store,
+    clock: FakeClock,
+    tuner: LiveTuner,
+    prices: dict[str, float],
+    qps: dict[str, float],
 ) -> tuple[FakeProvisioner, Reconciler]:
-    """The fake provisioner and the reconciler that carries out ``tuner``'s fleet, smalls at
-    $0.05/hr (25 qps) and larges at $0.1/hr (100 qps)."""
+    """The fake provisioner and the reconciler that carries out ``tuner``'s fleet at ``prices``
+    (type -> USD/hr), each type serving ``qps``."""
     fake = FakeProvisioner(now=clock.utcnow)
     reconciler = Reconciler(
         store,
         fake,
         clock,
-        lambda _app: AppPricing({SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0}),
+        lambda _app: AppPricing(prices, qps),
         desired_fleet=tuner.desired_fleet,
     )
     return fake, reconciler
+
+
+def small_and_large_fleet(
+    store: Store, clock: FakeClock, tuner: LiveTuner
+) -> tuple[FakeProvisioner, Reconciler]:
+    """:func:`priced_fleet` with smalls at $0.05/hr (25 qps) and larges at $0.1/hr (100 qps)."""
+    return priced_fleet(store, clock, tuner, {SMALL: 0.05, LARGE: 0.1}, {SMALL: 25.0, LARGE: 100.0})
 
 
 def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path) -> None:
@@ -507,15 +518,10 @@ def test_a_mix_change_stops_the_old_mix_only_once_the_new_one_serves(
     clock = FakeClock(start_s=1000.0)
     rates = [(0.0, 100.0)]
     tuner = stepped_tuner(store, clock, rates)
-    fake = FakeProvisioner(now=clock.utcnow)
-    fake.never_run(GPU)  # its worker serves when the test says
-    reconciler = Reconciler(
-        store,
-        fake,
-        clock,
-        lambda _app: AppPricing({SMALL: 0.05, GPU: 0.526}, {SMALL: 25.0, GPU: 500.0}),
-        desired_fleet=tuner.desired_fleet,
+    fake, reconciler = priced_fleet(
+        store, clock, tuner, {SMALL: 0.05, GPU: 0.526}, {SMALL: 25.0, GPU: 500.0}
     )
+    fake.never_run(GPU)  # its worker serves when the test says
 
     def tick(seconds: int) -> None:
         run_ticks(clock, tuner, reconciler, fake, seconds)
