@@ -128,6 +128,8 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     decision): made before the break as the budget pays for both, else one row of the app at a
     time terminated (cause ``spot_return``) before its spot replacement is launched, where its
     stage keeps another serving row of at least its capacity; within the disruption budget.
+    Once their spot replacements serve, the returning rows drain (``spot_returning``). Any
+    other row past the type's count (a plan cut) is rule 5's.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -498,7 +500,9 @@ class SpotReturned:
     (the plan buys the type on spot), its spot price (``spot_usd_per_hr``) having stayed below
     its on-demand price (``on_demand_usd_per_hr``) by the margin for the hold; ``how`` is
     ``make_before_break`` (the spot one launched next to the one it replaces) or
-    ``break_then_make`` (the on-demand one goes first: the budget has no room for both)."""
+    ``break_then_make`` (the on-demand one goes first: the budget has no room for both).
+    ``instance_ids``: the rows that go (made before the break: the ones now returning, which
+    drain once their spot replacements serve)."""
 
     instance_type: str
     count: int
@@ -506,6 +510,7 @@ class SpotReturned:
     on_demand_usd_per_hr: float
     how: str
     reason: str
+    instance_ids: tuple[str, ...] = ()
 
 
 Action = (
@@ -647,6 +652,7 @@ def reconcile(
     drain_causes: Mapping[str, str] | None = None,
     missing_since: Mapping[str, datetime] | None = None,
     spot_fallen: Collection[str] = (),
+    spot_returning: Collection[str] = (),
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -689,8 +695,10 @@ def reconcile(
     this one (None: every row is taken to have been missing since its last update); rule 3
     ends a row once it has been missing for ``missing_grace_s`` by both. ``spot_fallen``: the
     types whose spot price has stayed at or below their on-demand price less ``headroom_share``
-    of it for the hold (rule 10's move back to spot). The rules are the module docstring's; the
-    actions come in the order they must be carried out.
+    of it for the hold (rule 10's move back to spot). ``spot_returning``: the ids of the
+    on-demand rows an earlier tick's move back took as returning (made before the break), whose
+    spot replacements are the type's rows past its count. The rules are the module
+    docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -803,6 +811,7 @@ def reconcile(
                 stages,
                 notices or {},
                 budget_usd_per_hr - paid,
+                frozenset(spot_returning),
                 (
                     disruption.remaining(
                         sum(1 for row in kept if row.state is _S.RUNNING), disrupted_in_window
@@ -1843,7 +1852,7 @@ class _Return:
     whose fall has held (``fallen``) and those risen now, the prices (on demand, spot now), Q_t,
     the stages' types, the notices, the room left in the budget at the prices now (what the
     live fleet, draining rows included, leaves) and how many serving rows the disruption budget
-    lets go now."""
+    lets go now; the rows an earlier tick's move back took as returning (``returning``)."""
 
     desired: Mapping[str, int]
     desired_spot: Mapping[str, int]
@@ -1855,6 +1864,7 @@ class _Return:
     stages: Mapping[str, Collection[str]]
     notices: Mapping[str, datetime]
     room_usd_per_hr: float
+    returning: frozenset[str]
     allowed: int
 
 
@@ -1890,9 +1900,13 @@ def _move_back_to_spot(
     a time, the row terminated before its spot replacement is launched, only while nothing else
     of the move is under way, the fleet is within the budget, and its stage keeps another
     serving row of at least its capacity (the reconciler has no measure of the load, so the rest
-    must carry at least what leaves). The kept rows, the returning ones (paid for until they
-    go), and how many serving rows it took out of service (drained, or ended before their
-    replacement): disruptions the scale-down after it counts against the same budget."""
+    must carry at least what leaves). Rows past the type's count beside a full spot share are
+    taken only where they are the move's own: those an earlier tick took as returning
+    (``ctx.returning``: they drain once the type's other rows serve its count); any other (a
+    plan cut) is left to the scale-down. The kept rows,
+    the returning ones (paid for until they go), and how many serving rows it took out of
+    service (drained, or ended before their replacement): disruptions the scale-down after it
+    counts against the same budget."""
     room = ctx.room_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
     allowed = ctx.allowed
     disrupted = 0
@@ -1925,11 +1939,16 @@ def _move_back_to_spot(
         spot_units = _units(row for row in of_type if row.record.market == "spot")
         if spot_units <= 0 and instance_type not in ctx.fallen:
             continue
-        # The rows whose spot replacement is kept already (the type's rows past its count).
+        # The rows whose spot replacement is kept already (the type's rows past its count): only
+        # those an earlier move back took as returning. Any other row past the count (a plan
+        # cut) is the scale-down's (rule 5).
+        known = [row for row in own_on_demand if row.id in ctx.returning]
         replaced = 0
         if spot_units > 0 and spot_units <= want_spot + _UNIT_SLACK:
             over = _units(of_type) - ctx.desired.get(instance_type, 0)
-            replaced = min(surplus, max(0, math.floor(over + _UNIT_SLACK)))
+            replaced = min(surplus, len(known), max(0, math.floor(over + _UNIT_SLACK)))
+        known_ids = {row.id for row in known[:replaced]}
+        own_on_demand = known[:replaced] + [r for r in own_on_demand if r.id not in known_ids]
         spot = ctx.spot_now.get(instance_type)
         on_demand = ctx.prices_usd_per_hr.get(instance_type)
         more = 0
@@ -1972,7 +1991,9 @@ def _move_back_to_spot(
                 " its spot replacement is launched in its place (its stage keeps another serving"
                 " instance of at least its capacity)"
             )
-            actions.append(SpotReturned(instance_type, 1, spot or 0.0, on_demand or 0.0, how, why))
+            actions.append(
+                SpotReturned(instance_type, 1, spot or 0.0, on_demand or 0.0, how, why, (row.id,))
+            )
             _terminate([row], "spot_return", why, actions)
             kept = [r for r in kept if r.id != row.id]
             disrupted += 1
@@ -1988,6 +2009,7 @@ def _move_back_to_spot(
                     how,
                     f"{fell} {more} on demand move back, each spot one launched next to the one"
                     " it replaces within the budget, which drains once it serves",
+                    tuple(row.id for row in chosen[replaced:]),
                 )
             )
         serving = _serving_units(rows, instance_type, {row.id for row in chosen}, ctx.notices)
@@ -2494,6 +2516,10 @@ class Reconciler:
         # at or below its on-demand price less the headroom share (this process's ticks: a new
         # leader waits the hold again).
         self._spot_low_since_s: dict[tuple[str, str], float] = {}
+        # Rule 10's move back, by app: the on-demand rows it took as returning (made before the
+        # break); read back from the decisions once per app after a start (``_spot_read``).
+        self._spot_returning: dict[str, set[str]] = {}
+        self._spot_read: set[str] = set()
         self.store = store
         self.provisioner = provisioner
         self.clock = clock
@@ -2708,7 +2734,11 @@ class Reconciler:
             drain_causes=self._drain_causes(rows),
             missing_since=self._note_missing(app.name, rows, observed, now),
             spot_fallen=fallen,
+            spot_returning=self._spot_kept(self._spot_returning, app.name, rows),
         )
+        for action in actions:
+            if isinstance(action, SpotReturned) and action.how == "make_before_break":
+                self._spot_returning.setdefault(app.name, set()).update(action.instance_ids)
         if desired is not None and observed is not None and not teardown:
             self._held_back[app.name] = self._held_back_of(app.name, desired, rows, actions)
         errors = _Errors()
@@ -2860,6 +2890,29 @@ class Reconciler:
         self._stand_ins[app] = {i: t for i, t in known.items() if i in live}
         self._stand_in_shares[app] = {i: f for i, f in shares.items() if i in live}
         return dict(self._stand_ins[app])
+
+    def _spot_kept(
+        self, known: dict[str, set[str]], app: str, rows: Sequence[InstanceRecord]
+    ) -> frozenset[str]:
+        """The ids of ``known[app]`` (``_spot_returning``) whose rows are live, the others
+        forgotten; after a start, read back from the decisions first (the ``spot_return``
+        decisions' rows)."""
+        if app not in self._spot_read:
+            self._spot_read.add(app)
+            for decision in self.store.list_decisions(app, kinds=["spot_return"]):
+                if decision.kind == "spot_return" and decision.numbers.get("how") == (
+                    "make_before_break"
+                ):
+                    ids = decision.numbers.get("instance_ids") or []
+                    returning = self._spot_returning.setdefault(app, set())
+                    returning.update(i for i in ids if isinstance(i, str))
+        live = {r.id for r in rows if r.state not in TERMINAL_STATES}
+        ids = known.get(app, set()) & live
+        if ids:
+            known[app] = ids
+        else:
+            known.pop(app, None)
+        return frozenset(ids)
 
     def _spot_fallen(
         self,
@@ -3191,6 +3244,7 @@ class Reconciler:
                     "spot_usd_per_hr": action.spot_usd_per_hr,
                     "on_demand_usd_per_hr": action.on_demand_usd_per_hr,
                     "how": action.how,
+                    "instance_ids": list(action.instance_ids),
                 },
             )
         elif isinstance(action, Report):

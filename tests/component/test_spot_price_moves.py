@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.loops.reconciler import AppPricing, Launch
+from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
 from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
 from tests.component.test_spot_interruptions import (
@@ -529,3 +529,28 @@ def test_the_cap_holds_at_every_tick_while_prices_rise_and_fall_back(
                     world.tick()  # checks the cap at the prices now
         finally:
             world.close()
+
+
+def test_a_move_back_under_way_goes_on_after_a_restart(template_db: Path, tmp_path: Path) -> None:
+    # The move back made before the break, a new leader midway: it reads which on-demand ones
+    # are returning back from the spot_return decisions, so their spot replacements, past the
+    # type's count until the on-demand ones drain, are not taken for a surplus and ended.
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    try:
+        _risen_on_demand_then_fallen(world)
+        while not world.store.list_decisions(APP, kinds=["spot_return"]):
+            world.tick()
+        world.reconciler = Reconciler(
+            world.store, world.fake, world.clock, world.reconciler.pricing
+        )
+        world.reconciler.spot_headroom_share = 0.5
+        world.reconciler.spot_return_hold_s = _HOLD_S
+        for _ in range(60):
+            actions = world.tick()
+            ended = [a for a in actions if type(a).__name__ == "Terminate"]
+            assert not [a for a in ended if a.cause == "scale_down"], ended
+            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert world.kept() == [(SMALL, "spot")] * 3
+    finally:
+        world.close()

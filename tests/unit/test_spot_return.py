@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
 from controlplane.db.store import InstanceRecord
 from controlplane.loops.reconciler import Launch, Mark, SpotReturned, Terminate
 from controlplane.policies.disruption import DisruptionBudget
@@ -98,12 +96,6 @@ def test_an_unlaunched_on_demand_row_is_launched_again_not_moved_back() -> None:
     assert again, actions
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the move back takes a type's rows past its count beside a full spot share for spot"
-    " replacements already kept, whatever made them extra: a plan cut is drained under"
-    " spot_return (not taken back by rule 5 when the count rises again); docs/status.md",
-)
 def test_a_plan_cut_beside_the_spot_share_drains_under_the_scale_down() -> None:
     # The plan cut from {small: 5} to {small: 4}, 2 on spot, the spot price well above its
     # fall: the extra on-demand one is a scale-down (which rule 5 takes back when the count
