@@ -128,8 +128,10 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     decision): made before the break as the budget pays for both, else one row of the app at a
     time terminated (cause ``spot_return``) before its spot replacement is launched, where its
     stage keeps another serving row of at least its capacity; within the disruption budget.
-    Once their spot replacements serve, the returning rows drain (``spot_returning``). Any
-    other row past the type's count (a plan cut) is rule 5's.
+    Once their spot replacements serve, the returning rows drain (``spot_returning``); so do a
+    rise's on-demand replacements (``spot_replacements``) that the spot rows still kept made
+    extra, but only once the fall has held. Any other row past the type's count (a plan cut)
+    is rule 5's.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -344,6 +346,9 @@ class Launch:
     # rule 10's sized moves: as ``share`` of one (k smaller instances for one, each 1/k).
     stands_for: str | None = None
     share: float = 1.0
+    # Rule 10: an on-demand launch in place of a spot instance of its own type whose price rose
+    # (the rise's replacement): given back to spot only by the move back, once the fall has held.
+    replaces_spot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -653,6 +658,7 @@ def reconcile(
     missing_since: Mapping[str, datetime] | None = None,
     spot_fallen: Collection[str] = (),
     spot_returning: Collection[str] = (),
+    spot_replacements: Collection[str] = (),
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -697,8 +703,10 @@ def reconcile(
     types whose spot price has stayed at or below their on-demand price less ``headroom_share``
     of it for the hold (rule 10's move back to spot). ``spot_returning``: the ids of the
     on-demand rows an earlier tick's move back took as returning (made before the break), whose
-    spot replacements are the type's rows past its count. The rules are the module
-    docstring's; the actions come in the order they must be carried out.
+    spot replacements are the type's rows past its count; ``spot_replacements``: the ids of the
+    on-demand rows launched in place of their own type's spot instances by a rise
+    (:attr:`Launch.replaces_spot`), given back to spot only once the fall has held. The rules
+    are the module docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
         raise ValueError(f"budget_usd_per_hr must be finite and >= 0, got {budget_usd_per_hr!r}")
@@ -812,6 +820,7 @@ def reconcile(
                 notices or {},
                 budget_usd_per_hr - paid,
                 frozenset(spot_returning),
+                frozenset(spot_replacements),
                 (
                     disruption.remaining(
                         sum(1 for row in kept if row.state is _S.RUNNING), disrupted_in_window
@@ -1729,6 +1738,7 @@ def _launch_shortfall(
                 f"{instance_type}: {have[instance_type]:g} kept, {desired[instance_type]} desired"
                 + (" (spot)" if on_spot else ""),
                 market="spot" if on_spot else "on-demand",
+                replaces_spot=moving and not on_spot,
             )
         )
         have[instance_type] += 1
@@ -1852,7 +1862,8 @@ class _Return:
     whose fall has held (``fallen``) and those risen now, the prices (on demand, spot now), Q_t,
     the stages' types, the notices, the room left in the budget at the prices now (what the
     live fleet, draining rows included, leaves) and how many serving rows the disruption budget
-    lets go now; the rows an earlier tick's move back took as returning (``returning``)."""
+    lets go now; the rows an earlier tick's move back took as returning (``returning``) and those
+    a rise launched on demand in place of spot ones of their type (``replacements``)."""
 
     desired: Mapping[str, int]
     desired_spot: Mapping[str, int]
@@ -1865,6 +1876,7 @@ class _Return:
     notices: Mapping[str, datetime]
     room_usd_per_hr: float
     returning: frozenset[str]
+    replacements: frozenset[str]
     allowed: int
 
 
@@ -1902,8 +1914,9 @@ def _move_back_to_spot(
     serving row of at least its capacity (the reconciler has no measure of the load, so the rest
     must carry at least what leaves). Rows past the type's count beside a full spot share are
     taken only where they are the move's own: those an earlier tick took as returning
-    (``ctx.returning``: they drain once the type's other rows serve its count); any other (a
-    plan cut) is left to the scale-down. The kept rows,
+    (``ctx.returning``: they drain once the type's other rows serve its count) and a rise's
+    on-demand replacements (``ctx.replacements``: they serve on, not counted, and drain so only
+    once the fall has held); any other (a plan cut) is left to the scale-down. The kept rows,
     the returning ones (paid for until they go), and how many serving rows it took out of
     service (drained, or ended before their replacement): disruptions the scale-down after it
     counts against the same budget."""
@@ -1940,13 +1953,39 @@ def _move_back_to_spot(
         if spot_units <= 0 and instance_type not in ctx.fallen:
             continue
         # The rows whose spot replacement is kept already (the type's rows past its count): only
-        # those an earlier move back took as returning. Any other row past the count (a plan
-        # cut) is the scale-down's (rule 5).
-        known = [row for row in own_on_demand if row.id in ctx.returning]
+        # those an earlier move back took as returning, and once the fall has held those a rise
+        # launched on demand in place of spot ones. Any other row past the count (a plan cut)
+        # is the scale-down's (rule 5).
+        rise_made = [
+            row
+            for row in own_on_demand
+            if row.id in ctx.replacements and row.id not in ctx.returning
+        ]
+        rise_ids = {row.id for row in rise_made} if instance_type in ctx.fallen else set()
+        known = [row for row in own_on_demand if row.id in ctx.returning or row.id in rise_ids]
         replaced = 0
+        over = 0
         if spot_units > 0 and spot_units <= want_spot + _UNIT_SLACK:
-            over = _units(of_type) - ctx.desired.get(instance_type, 0)
-            replaced = min(surplus, len(known), max(0, math.floor(over + _UNIT_SLACK)))
+            over = max(
+                0, math.floor(_units(of_type) - ctx.desired.get(instance_type, 0) + _UNIT_SLACK)
+            )
+            replaced = min(surplus, len(known), over)
+        if instance_type not in ctx.fallen and over > replaced and rise_made:
+            # A rise's move whose price fell back before the fall has held: it completes (the
+            # spot rows its replacements stand for go once those serve); the replacements go
+            # back to spot only through the hold.
+            kept, leaving, drained = _complete_the_rise(
+                kept,
+                rows,
+                instance_type,
+                min(len(rise_made), over - replaced),
+                allowed,
+                ctx,
+                actions,
+            )
+            going += leaving
+            allowed -= drained
+            disrupted += drained
         known_ids = {row.id for row in known[:replaced]}
         own_on_demand = known[:replaced] + [r for r in own_on_demand if r.id not in known_ids]
         spot = ctx.spot_now.get(instance_type)
@@ -2032,6 +2071,53 @@ def _move_back_to_spot(
         going += chosen
     gone = {row.id for row in going}
     return [row for row in kept if row.id not in gone], going, disrupted
+
+
+def _complete_the_rise(
+    kept: list[_Row],
+    rows: Sequence[_Row],
+    instance_type: str,
+    count: int,
+    allowed: int,
+    ctx: _Return,
+    actions: list[Action],
+) -> tuple[list[_Row], list[_Row], int]:
+    """Rule 10: a rise launched on-demand replacements for ``instance_type``'s spot rows, and its
+    price fell back below the rise's threshold before they took over: the rise's move completes
+    as it would have (:func:`_move_before_break`): the ``count`` oldest kept spot rows of the type
+    are no longer kept, serve on until the type's other rows serve its desired count, then drain
+    (within the disruption budget, ``allowed``). The kept rows, the leaving ones, and how many
+    serving rows drained."""
+    own_spot = sorted(
+        (
+            row
+            for row in kept
+            if row.record.instance_type == instance_type
+            and row.counted_type == instance_type
+            and row.record.market == "spot"
+        ),
+        key=lambda r: (r.record.created_at, r.id),
+    )
+    chosen = own_spot[:count]
+    serving = _serving_units(rows, instance_type, {row.id for row in chosen}, ctx.notices)
+    drained = 0
+    for row in chosen:
+        if (
+            row.state is _S.RUNNING
+            and serving >= ctx.desired.get(instance_type, 0) - _UNIT_SLACK
+            and drained < allowed
+        ):
+            drained += 1
+            _mark(
+                row,
+                _S.DRAINING,
+                f"moved off {instance_type}'s risen spot price: the on-demand instances launched"
+                " for it serve in its place; back to spot only once its fall has held for the"
+                " hold; no new queries",
+                actions,
+            )
+    gone = {row.id for row in chosen}
+    return [row for row in kept if row.id not in gone], chosen, drained
 
 
 def _stage_carries(leaving: _Row, kept: Sequence[_Row], ctx: _Return) -> bool:
@@ -2517,8 +2603,10 @@ class Reconciler:
         # leader waits the hold again).
         self._spot_low_since_s: dict[tuple[str, str], float] = {}
         # Rule 10's move back, by app: the on-demand rows it took as returning (made before the
-        # break); read back from the decisions once per app after a start (``_spot_read``).
+        # break), and those a rise launched in place of spot ones of their type; read back from
+        # the decisions once per app after a start (``_spot_read``).
         self._spot_returning: dict[str, set[str]] = {}
+        self._spot_replacements: dict[str, set[str]] = {}
         self._spot_read: set[str] = set()
         self.store = store
         self.provisioner = provisioner
@@ -2735,6 +2823,7 @@ class Reconciler:
             missing_since=self._note_missing(app.name, rows, observed, now),
             spot_fallen=fallen,
             spot_returning=self._spot_kept(self._spot_returning, app.name, rows),
+            spot_replacements=self._spot_kept(self._spot_replacements, app.name, rows),
         )
         for action in actions:
             if isinstance(action, SpotReturned) and action.how == "make_before_break":
@@ -2894,18 +2983,25 @@ class Reconciler:
     def _spot_kept(
         self, known: dict[str, set[str]], app: str, rows: Sequence[InstanceRecord]
     ) -> frozenset[str]:
-        """The ids of ``known[app]`` (``_spot_returning``) whose rows are live, the others
-        forgotten; after a start, read back from the decisions first (the ``spot_return``
-        decisions' rows)."""
+        """The ids of ``known[app]`` (``_spot_returning`` or ``_spot_replacements``) whose rows
+        are live, the others forgotten; after a start, both read back from the decisions first
+        (the ``spot_return`` decisions' rows, the launches that replaced spot ones)."""
         if app not in self._spot_read:
             self._spot_read.add(app)
-            for decision in self.store.list_decisions(app, kinds=["spot_return"]):
+            for decision in self.store.list_decisions(app, kinds=["launch", "spot_return"]):
                 if decision.kind == "spot_return" and decision.numbers.get("how") == (
                     "make_before_break"
                 ):
                     ids = decision.numbers.get("instance_ids") or []
                     returning = self._spot_returning.setdefault(app, set())
                     returning.update(i for i in ids if isinstance(i, str))
+                elif decision.kind == "launch":
+                    for launch in decision.numbers.get("launches") or []:
+                        instance_id = (
+                            launch.get("instance_id") if isinstance(launch, dict) else None
+                        )
+                        if isinstance(instance_id, str) and launch.get("replaces_spot"):
+                            self._spot_replacements.setdefault(app, set()).add(instance_id)
         live = {r.id for r in rows if r.state not in TERMINAL_STATES}
         ids = known.get(app, set()) & live
         if ids:
@@ -3359,6 +3455,8 @@ class Reconciler:
                 market=launch.market,
             )
             rows.append((launch, row))
+            if launch.replaces_spot and not launch.retry:
+                self._spot_replacements.setdefault(app.name, set()).add(row.id)
             if launch.stands_for is not None and not launch.retry:
                 self._record_stand_in(app.name, launch, row)
         crash_point("reconcile.after_row")
@@ -3382,6 +3480,7 @@ class Reconciler:
                             "price_usd_per_hr": launch.price_usd_per_hr,
                             "market": launch.market,
                         }
+                        | ({"replaces_spot": True} if launch.replaces_spot else {})
                         for launch, row in new
                     ],
                     "budget_usd_per_hr": app.budget_usd_per_hr,

@@ -554,3 +554,48 @@ def test_a_move_back_under_way_goes_on_after_a_restart(template_db: Path, tmp_pa
         assert world.kept() == [(SMALL, "spot")] * 3
     finally:
         world.close()
+
+
+def test_a_price_that_swings_back_gives_the_rise_replacements_back_only_through_the_hold(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # A review's finding: three small ones on spot whose price rises past the threshold for
+    # one tick (0.06, past its own on-demand price of 0.05): the budget pays for both, so their
+    # on-demand replacements are launched next to them; the next tick the price is back at
+    # 0.015. The replacements were drained once they served, without the hold: the fall that
+    # gives them back to spot must hold for spot_return_hold_s as any other.
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    try:
+        world.reconciler.spot_return_hold_s = _HOLD_S
+        world.serve_three_small_on_spot()
+        world.spot_prices[SMALL] = 0.06
+        assert launches(world.tick()) == [(SMALL, "on-demand", None)] * 3
+        world.spot_prices[SMALL] = 0.015
+        fell_at = world.clock.now_s()
+        world.tick()
+        # A new leader reads which rows replaced spot ones back from the decisions.
+        world.reconciler = Reconciler(
+            world.store, world.fake, world.clock, world.reconciler.pricing
+        )
+        world.reconciler.spot_headroom_share = 0.5
+        world.reconciler.spot_return_hold_s = _HOLD_S
+        while world.clock.now_s() - fell_at < _HOLD_S:
+            world.tick()
+            on_demand = [
+                r
+                for r in world.store.list_instances(APP)
+                if r.market == "on-demand" and r.instance_type == SMALL
+            ]
+            assert len(on_demand) == 3
+            assert all(r.state in ("pending", "running") for r in on_demand), on_demand
+        # Once the fall has held, they go back to spot, never fewer than three serving.
+        for _ in range(40):
+            world.tick()
+            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert world.kept() == [(SMALL, "spot")] * 3
+        for row in on_demand:  # drained by the move back (its spot replacements serve)
+            reasons = [e.reason for e in world.store.list_instance_events(instance_id=row.id)]
+            assert any(r.startswith("spot_return:") for r in reasons), reasons
+    finally:
+        world.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from controlplane.db.store import InstanceRecord
-from controlplane.loops.reconciler import Launch, Mark, SpotReturned, Terminate
+from controlplane.loops.reconciler import Action, Launch, Mark, SpotReturned, Terminate
 from controlplane.policies.disruption import DisruptionBudget
 from tests.unit.test_reconciler import row, run
 
@@ -116,3 +116,58 @@ def test_a_plan_cut_beside_the_spot_share_drains_under_the_scale_down() -> None:
     drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
     assert len(drained) == 1, actions
     assert drained[0].reason.startswith("scale_down"), drained[0].reason
+
+
+def _gone(actions: list[Action]) -> set[str]:
+    """The rows a tick ends or drains."""
+    gone = {i for a in actions if isinstance(a, Terminate) for i in a.instance_ids}
+    return gone | {
+        a.instance_id for a in actions if isinstance(a, Mark) and a.to_state != "running"
+    }
+
+
+def test_a_price_that_swings_back_keeps_the_rise_replacements_until_the_hold() -> None:
+    # Three small ones on spot; the price rises past the budget's headroom line (and past the
+    # on-demand price) for one tick: the budget pays for both, so their on-demand replacements
+    # are launched next to them. The next ticks the price is back at 0.015, the fall not yet
+    # held: the replacements (booting, then serving) stay, and the rise's move completes (the
+    # spot ones drain once the replacements serve); only once the fall has held do on-demand
+    # ones go back to spot, under the move back.
+    spot = [spot_row("small", age_s=600.0) for _ in range(3)]
+    plan = {"desired_spot": {"small": 3}, "headroom_share": 0.5}
+    rise = run({"small": 3}, spot, budget=0.35, spot_prices_usd_per_hr={"small": 0.06}, **plan)
+    launched = [a for a in rise if isinstance(a, Launch)]
+    assert [(a.market, a.replaces_spot) for a in launched] == [("on-demand", True)] * 3, rise
+    for state in ("pending", "running"):
+        replacements = [row("small", state, age_s=30.0) for _ in launched]
+        ids = {r.id for r in replacements}
+        actions = run(
+            {"small": 3},
+            [*spot, *replacements],
+            budget=0.35,
+            spot_prices_usd_per_hr=SPOT,
+            spot_replacements=ids,
+            **plan,
+        )
+        assert not _gone(actions) & ids, (state, actions)
+        assert not [a for a in actions if isinstance(a, Launch)], (state, actions)
+        drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+        if state == "pending":
+            assert not drained, actions  # the spot ones serve until the replacements do
+        else:
+            assert {a.instance_id for a in drained} == {r.id for r in spot}, actions
+            assert all(a.reason.startswith("moved off") for a in drained), actions
+    # Had the spot ones stayed (their drain deferred), the fall once held gives the
+    # replacements back to spot.
+    back = run(
+        {"small": 3},
+        [*spot, *replacements],
+        budget=0.35,
+        spot_prices_usd_per_hr=SPOT,
+        spot_replacements=ids,
+        spot_fallen={"small"},
+        **plan,
+    )
+    drained = [a for a in back if isinstance(a, Mark) and a.to_state == "draining"]
+    assert {a.instance_id for a in drained} == ids, back
+    assert all(a.reason.startswith("spot_return:") for a in drained), back
