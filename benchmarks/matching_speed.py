@@ -271,6 +271,9 @@ class TimedPolicy:
         self.inner.observe(instance_type, batch_size, latency_ms)
         self.policy_s += time.perf_counter() - start
 
+    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+        return self.inner.queries_per_call(now_s, batch_cap)
+
 
 def simulation_figures(
     n_queries: int, repeats: int = 3, rates_qps: tuple[int, ...] = (100, 130)

@@ -93,6 +93,25 @@ class DispatchPolicy(Protocol):
         time, without queueing): what an online latency model learns from."""
         ...
 
+    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+        """The most queued queries one call to an instance carries at ``now_s`` under the
+        stage's batch cap ``batch_cap`` (``StageContext.max_batch_queries``): the cap for a
+        policy that batches, 1 for one that runs each query alone (Kairos, Clockwork: a query
+        already is a batch; a registered class's ``batches``, see :func:`per_call`).
+        Admission control and the stage's capacity count an instance at this many queries a
+        call, in the simulator and the live dispatcher alike."""
+        ...
+
+
+def per_call(batches: bool, batch_cap: int) -> int:
+    """:meth:`DispatchPolicy.queries_per_call` of a policy whose class says whether it
+    ``batches`` (:class:`RegisteredPolicy`): ``batch_cap`` queries a call if it does, else 1.
+
+    >>> per_call(True, 4), per_call(False, 4)
+    (4, 1)
+    """
+    return batch_cap if batches else 1
+
 
 class ProfileView(Protocol):
     """What a policy's factory may read of a profile (``estimator.profiles.LatencyProfile``)."""
@@ -139,7 +158,8 @@ class RegisteredPolicy(Protocol):
     matching upper bound (``estimator.bounds``), which the tuner sizes with, not the sum of the
     types' rates. ``batches``: it sends a stage's queries in batches up to the stage's cap;
     False: each query runs alone whatever the cap (Kairos, Clockwork: a query already is a
-    batch), so a batch cap above 1 means nothing to it.
+    batch), so a batch cap above 1 means nothing to it, and admission control counts its
+    instances at one query a call (:meth:`DispatchPolicy.queries_per_call`, :func:`per_call`).
     """
 
     name: ClassVar[str]

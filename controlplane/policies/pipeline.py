@@ -164,13 +164,20 @@ class FleetRulePolicy:
         instances: Sequence[InstanceView],
         context: StageContext,
     ) -> list[Dispatch]:
-        at = max(0, bisect.bisect_right(self.times, now_s) - 1)
-        chosen = self.single_policy if self.single[at] else self.mix_policy
-        return chosen.dispatch(now_s, queue, instances, context)
+        return self._at(now_s).dispatch(now_s, queue, instances, context)
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         self.single_policy.observe(instance_type, batch_size, latency_ms)
         self.mix_policy.observe(instance_type, batch_size, latency_ms)
+
+    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+        """What the policy deciding at ``now_s`` sends a call (FCFS batches, Kairos does not),
+        as the live stage's policy of that fleet would say."""
+        return self._at(now_s).queries_per_call(now_s, batch_cap)
+
+    def _at(self, now_s: float) -> DispatchPolicy:
+        at = max(0, bisect.bisect_right(self.times, now_s) - 1)
+        return self.single_policy if self.single[at] else self.mix_policy
 
 
 def by_fleet(

@@ -76,3 +76,7 @@ class SharePolicy:
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """The shares come from the plan's profiles, not from what is measured."""
+
+    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+        """Up to ``batch_cap`` queries a call: each instance's batch is FCFS's."""
+        return batch_cap

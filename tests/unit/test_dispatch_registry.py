@@ -56,6 +56,9 @@ class SlowestFirstPolicy:
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """It predicts nothing."""
 
+    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+        return batch_cap
+
 
 @pytest.fixture
 def registered(monkeypatch: pytest.MonkeyPatch) -> None:
