@@ -603,11 +603,15 @@ class _StageState:
         self.rates: dict[tuple[int, int, int], float] = {}
 
 
-def _capacity_sps(state: _StageState, active: Sequence[_Instance], size: int) -> float:
-    """Samples per second ``active`` serve at ``state``'s batch cap for queries of ``size``
-    samples (each instance at cap x size samples, within its profile), as the live stage's
-    ``capacity_sps`` counts them."""
-    cap = state.context.max_batch_queries
+def _capacity_sps(
+    state: _StageState, active: Sequence[_Instance], now_s: float, size: int
+) -> float:
+    """Samples per second ``active`` serve at what one call of ``state``'s policy carries at
+    ``now_s`` (the batch cap, or one query where the policy sends each alone:
+    ``DispatchPolicy.queries_per_call``) for queries of ``size`` samples (each instance at
+    that many queries of ``size`` samples, within its profile), as the live stage's
+    ``capacity_sps`` counts them (at its ``call_cap``)."""
+    cap = state.policy.queries_per_call(now_s, state.context.max_batch_queries)
     rates = state.rates
     total = 0.0
     for inst in active:
@@ -770,7 +774,7 @@ class _EventEngine:
             else max(inst.started_s + state.table.mean_s(inst.type_id, inst.batch_size) - now, 0.0)
             for inst in active
         )
-        capacity_sps = functools.partial(_capacity_sps, state, active)
+        capacity_sps = functools.partial(_capacity_sps, state, active, now)
         wait_ms = queue_wait_ms(free_s, state.backlog, capacity_sps)
         service_ms = 1000.0 * min(state.table.mean_s(i.type_id, samples) for i in active)
         left_ms = self.qos_ms - (now - arrival_s) * 1000.0

@@ -654,7 +654,7 @@ class AppDispatcher:
         stage = self._stages.get(model)
         if stage is None:
             return False
-        cap = batch_cap(self.config, model, self.current_gear())
+        cap = stage.call_cap(batch_cap(self.config, model, self.current_gear()), now)
         capacity, service_ms = stage.rates(samples, cap)
         backlog = stage.queued_samples + stage.in_service_samples
         load = StageLoad(backlog, capacity, service_ms, 1.0, stage.wait_ms(cap, now))
@@ -1228,7 +1228,8 @@ class AppDispatcher:
         for model in self.config.models:
             stage = self._stages[model]
             cap = batch_cap(self.config, model, gear)
-            capacity = stage.capacity_sps(1, cap)
+            # At what one call carries: one query under a policy that sends each alone.
+            capacity = stage.capacity_sps(1, stage.call_cap(cap, now))
             overload = self.tracker.overload(
                 (self.app, model),
                 now,

@@ -4,7 +4,8 @@ policy sees them, their latency tables, the policy itself, and what it can serve
 :mod:`~controlplane.serving.placement` fills in who serves a stage (``slots``, ``latency``,
 ``policy``); :mod:`~controlplane.serving.dispatcher` moves queries through it (``queue``, the
 sample counts, ``dirty``); :mod:`~controlplane.serving.variants` and admission read its capacity
-(:meth:`ServingStage.capacity_sps`, cached in ``capacity``); the transport encodes its batches
+(:meth:`ServingStage.capacity_sps`, cached in ``capacity``, at the queries its policy sends a
+call, :meth:`ServingStage.call_cap`); the transport encodes its batches
 with its
 ``io`` (:class:`~controlplane.serving.modelio.ModelIO`).
 """
@@ -185,6 +186,14 @@ class ServingStage:
         """Whether a healthy instance serves the stage (what a query reaching it needs)."""
         return any(slot.worker.healthy for slot in self.slots)
 
+    def call_cap(self, batch_cap: int, now_s: float) -> int:
+        """The queries one call to an instance carries at most under the stage's batch cap
+        ``batch_cap``, as its policy sends them (``DispatchPolicy.queries_per_call``: the cap
+        where it batches, 1 where each query runs alone, as under Kairos): what its capacity
+        and wait are counted at (the simulator's admission counts the same)."""
+        policy = self.policy
+        return batch_cap if policy is None else policy.queries_per_call(now_s, batch_cap)
+
     def rates(self, samples: int, cap: int) -> tuple[float, float]:
         """(:meth:`capacity_sps`, the fastest type's service ms) for queries of ``samples``
         samples at batch cap ``cap``, cached in ``capacity``."""
@@ -216,7 +225,8 @@ class ServingStage:
 
     def capacity_sps(self, samples: int, cap: int) -> float:
         """Samples per second the stage's healthy instances serve at batches of ``cap`` queries
-        of ``samples`` samples (within each profile)."""
+        of ``samples`` samples (within each profile); ``cap`` is what a call carries
+        (:meth:`call_cap`), not the batch cap where the policy sends each query alone."""
         total = 0.0
         for slot in self.slots:
             if not slot.worker.healthy:

@@ -8,7 +8,8 @@ each of its models alone. :class:`AppVariants` owns what each is worth now:
   :func:`estimator.cascades.evaluate`); without records, accuracy 0 (unknown) and every stage
   reached;
 - its **load** (:meth:`AppVariants.loads`: per stage it reaches, the backlog, the capacity at the
-  gear's batch cap and the fastest service time, as
+  gear's batch cap, or at one query a call where the stage's policy sends each query alone
+  (:meth:`~controlplane.serving.stages.ServingStage.call_cap`), and the fastest service time, as
   :class:`~controlplane.serving.admission.StageLoad`), which admission control judges and from
   which its latency is predicted (:func:`~controlplane.serving.admission.predicted_latency_ms`);
 - its **cost** per query, the reach-weighted cheapest price per sample of each stage;
@@ -103,7 +104,7 @@ class AppVariants:
         for model, share in zip(cascade.models, reach, strict=True):
             stage = self.stages[model]
             n = max(math.ceil(share * samples), 1)
-            cap = batch_cap(self.config, model, gear)
+            cap = stage.call_cap(batch_cap(self.config, model, gear), now_s)
             capacity, fastest = stage.rates(n, cap)
             backlog = stage.queued_samples + stage.in_service_samples
             wait = stage.wait_ms(cap, now_s) if share > 0 else 0.0

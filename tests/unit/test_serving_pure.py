@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.errors import WorkerCallError
+from controlplane.errors import OverloadedError, WorkerCallError
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.serving import workers as workers_module
 from controlplane.serving.admission import (
@@ -24,7 +24,7 @@ from controlplane.serving.admission import (
     wait_ms,
 )
 from controlplane.serving.config import AppConfig, DispatcherSettings
-from controlplane.serving.dispatcher import policy_name
+from controlplane.serving.dispatcher import AppDispatcher, _Request, policy_name
 from controlplane.serving.health import Health
 from controlplane.serving.modelio import ModelIO
 from controlplane.serving.observations import ARRIVALS_KEPT, Observations, summarise
@@ -36,7 +36,7 @@ from controlplane.serving.states import (
     is_overloaded,
     model_state,
 )
-from controlplane.serving.transport import _Answer, _Channel, answer_error
+from controlplane.serving.transport import HttpWorkerTransport, _Answer, _Channel, answer_error
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.cascades import Cascade
 from estimator.fleet import Fleet
@@ -261,6 +261,77 @@ def test_queued_queries_drain_at_the_rate_of_their_own_size() -> None:
     stage.backlog.remove(2)
     stage.backlog.remove(2)  # one not held: ignored
     assert stage.backlog.samples == 0 and stage.wait_ms(1, 0.0) == 0.0
+
+
+def _batching_profile(instance_type: str) -> LatencyProfile:
+    """10 ms for one sample, 12 ms for four: a call of four single-sample queries serves 333
+    samples/s, a call of one 100."""
+    sizes = np.array([1, 2, 3, 4])
+    means = (10.0, 10.7, 11.3, 12.0)
+    return LatencyProfile("m", instance_type, sizes, tuple(np.array([ms]) for ms in means))
+
+
+def _busy_dispatcher(policy: str) -> AppDispatcher:
+    """A dispatcher of one model on an "a" and a "b" worker under ``policy`` at the plan's
+    batch cap of 4, both workers busy for 5 more ms and eight single-sample queries queued."""
+    profiles = {"a": _batching_profile("a"), "b": _batching_profile("b")}
+    plan = StagePlan("m", Fleet.of({"a": 1, "b": 1}), 4, policy=policy, base_types=("a", "b"))
+    config = AppConfig(
+        name="demo",
+        slo_ms=50.0,
+        models=("m",),
+        cascade=Cascade(("m",), ()),
+        profiles={"m": profiles},
+        prices_usd_per_hr={"a": 1.0, "b": 1.0},
+        stage_plans={"m": plan},
+    )
+    dispatcher = AppDispatcher(config, HttpWorkerTransport(), Observations(), clock_s=lambda: 0.0)
+    dispatcher.set_workers([WorkerEndpoint("i-a", "a", "a:1"), WorkerEndpoint("i-b", "b", "b:1")])
+    stage = dispatcher._stages["m"]
+    assert stage.policy is not None and stage.policy.name == policy
+    for slot in stage.slots:
+        slot.worker.start(0.0, 5.0)
+    stage.in_service_samples = 2
+    for _ in range(8):
+        stage.backlog.add(1)
+    stage.queued_samples = 8
+    return dispatcher
+
+
+@pytest.mark.parametrize(
+    ("policy", "call_cap", "capacity_sps", "wait_ms"),
+    [("fcfs", 4, 2 * 4000.0 / 12.0, 5.0 + 12.0), ("kairos", 1, 2 * 1000.0 / 10.0, 5.0 + 40.0)],
+)
+def test_admission_counts_a_call_at_the_queries_the_stage_policy_sends(
+    policy: str, call_cap: int, capacity_sps: float, wait_ms: float
+) -> None:
+    # At the plan's cap of 4, FCFS drains the eight queued queries two calls of four at a time
+    # (667 samples/s): 5 + 12 ms of wait, within the 40 ms the 50 ms SLO leaves after a 10 ms
+    # service. Kairos sends each query alone (200 samples/s): 5 + 40 ms, so it refuses, where
+    # counting its instances at the cap admitted a query that would wait 45 ms.
+    dispatcher = _busy_dispatcher(policy)
+    assert dispatcher._stages["m"].call_cap(4, 0.0) == call_cap
+    gear = dispatcher.current_gear()
+    (load,) = dispatcher.variants.loads(gear.cascade, 1, gear, 0.0)
+    assert load.capacity_sps == pytest.approx(capacity_sps)
+    assert load.queue_wait_ms == pytest.approx(wait_ms)
+    if policy == "fcfs":
+        dispatcher._admit(gear, 1)  # admitted
+    else:
+        with pytest.raises(OverloadedError):
+            dispatcher._admit(gear, 1)
+    # The part of a query a cascade forwards is judged on the same count.
+    loop = asyncio.new_event_loop()
+    try:
+        request = _Request([[0.0]], None, gear.cascade, 0.0, loop.create_future())
+        assert dispatcher._forward_refused(request, 0, 1, 0.0) == (policy == "kairos")
+    finally:
+        loop.close()
+    # The status (what INFaaS' overload signal reads) counts the same capacity, and still
+    # reports the gear's batch cap.
+    (status,) = dispatcher.status().stages
+    assert status.capacity_sps == pytest.approx(capacity_sps)
+    assert status.max_batch_queries == 4
 
 
 def test_the_stage_wait_replaces_backlog_over_capacity_when_given() -> None:
