@@ -35,7 +35,7 @@ class DrsPolicy:
     takes_noise = False
     in_plans = False  # a plan does not record a threshold
     matched_capacity = False
-    batches = True
+    batches = False  # each query alone, to its class's fastest idle instance
 
     def __init__(self, threshold: int, base_types: Sequence[str]) -> None:
         if threshold < 0:

@@ -96,8 +96,8 @@ class DispatchPolicy(Protocol):
     def queries_per_call(self, now_s: float, batch_cap: int) -> int:
         """The most queued queries one call to an instance carries at ``now_s`` under the
         stage's batch cap ``batch_cap`` (``StageContext.max_batch_queries``): the cap for a
-        policy that batches, 1 for one that runs each query alone (Kairos, Clockwork: a query
-        already is a batch; a registered class's ``batches``, see :func:`per_call`).
+        policy that batches, 1 for one that runs each query alone (Kairos, Clockwork, DRS: a
+        query already is a batch; a registered class's ``batches``, see :func:`per_call`).
         Admission control and the stage's capacity count an instance at this many queries a
         call, in the simulator and the live dispatcher alike."""
         ...
@@ -157,8 +157,8 @@ class RegisteredPolicy(Protocol):
     record). ``matched_capacity``: on a mix of types at batch size 1, its capacity is Kairos'
     matching upper bound (``estimator.bounds``), which the tuner sizes with, not the sum of the
     types' rates. ``batches``: it sends a stage's queries in batches up to the stage's cap;
-    False: each query runs alone whatever the cap (Kairos, Clockwork: a query already is a
-    batch), so a batch cap above 1 means nothing to it, and admission control counts its
+    False: each query runs alone whatever the cap (Kairos, Clockwork, DRS: a query already is
+    a batch), so a batch cap above 1 means nothing to it, and admission control counts its
     instances at one query a call (:meth:`DispatchPolicy.queries_per_call`, :func:`per_call`).
     """
 

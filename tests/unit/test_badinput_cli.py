@@ -392,6 +392,8 @@ def test_options_that_would_be_ignored_are_refused(
     for policy in ("kairos", "clockwork"):
         error = one_line_error(capsys, _simulate(tmp_path, "--policy", policy, "--max-batch", "4"))
         assert f"the {policy} policy runs each query alone" in error
+    drs = _simulate(tmp_path, "--policy", "drs", "--drs-threshold", "2", "--max-batch", "4")
+    assert "the drs policy runs each query alone" in one_line_error(capsys, drs)
     spec = _write(
         tmp_path / "app.yaml",
         f"name: a\nmodels: [{{name: m, profiles: {tmp_path / 'p.csv'}}}]\n"
