@@ -5,9 +5,8 @@ policy sees them, their latency tables, the policy itself, and what it can serve
 ``policy``); :mod:`~controlplane.serving.dispatcher` moves queries through it (``queue``, the
 sample counts, ``dirty``); :mod:`~controlplane.serving.variants` and admission read its capacity
 (:meth:`ServingStage.capacity_sps`, cached in ``capacity``, at the queries its policy sends a
-call, :meth:`ServingStage.call_cap`); the transport encodes its batches
-with its
-``io`` (:class:`~controlplane.serving.modelio.ModelIO`).
+call, :meth:`ServingStage.call_cap`); the transport encodes its batches with its ``io``
+(:class:`~controlplane.serving.modelio.ModelIO`).
 """
 
 from __future__ import annotations
