@@ -58,7 +58,7 @@ from estimator.traces import Trace
 from matching.admission import Backlog, allowance_ms, batch_samples, queue_wait_ms
 from matching.errors import InvalidDispatchError
 from matching.fcfs import FcfsPolicy
-from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext
+from matching.policy import Dispatch, DispatchPolicy, QueuedQuery, StageContext, queries_per_call
 from matching.queues import CentralQueue
 
 Engine = Literal["auto", "events", "kernel"]
@@ -608,10 +608,10 @@ def _capacity_sps(
 ) -> float:
     """Samples per second ``active`` serve at what one call of ``state``'s policy carries at
     ``now_s`` (the batch cap, or one query where the policy sends each alone:
-    ``DispatchPolicy.queries_per_call``) for queries of ``size`` samples (each instance at
+    ``matching.policy.queries_per_call``) for queries of ``size`` samples (each instance at
     that many queries of ``size`` samples, within its profile), as the live stage's
     ``capacity_sps`` counts them (at its ``call_cap``)."""
-    cap = state.policy.queries_per_call(now_s, state.context.max_batch_queries)
+    cap = queries_per_call(state.policy, now_s, state.context.max_batch_queries)
     rates = state.rates
     total = 0.0
     for inst in active:

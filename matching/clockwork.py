@@ -19,14 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from matching.errors import MatchingError
-from matching.policy import (
-    Dispatch,
-    InstanceView,
-    PolicySetting,
-    QueuedQuery,
-    StageContext,
-    per_call,
-)
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 
 class ClockworkPolicy:
@@ -114,7 +107,3 @@ class ClockworkPolicy:
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """Predictions come from the profile; measurements are not needed."""
-
-    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
-        """One query a call, whatever the cap: Clockwork sends each query alone."""
-        return per_call(self.batches, batch_cap)

@@ -16,14 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from matching.errors import MatchingError
-from matching.policy import (
-    Dispatch,
-    InstanceView,
-    PolicySetting,
-    QueuedQuery,
-    StageContext,
-    per_call,
-)
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 
 class DrsPolicy:
@@ -100,7 +93,3 @@ class DrsPolicy:
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """A static threshold learns nothing online."""
-
-    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
-        """One query a call, whatever the cap: DRS sends each query alone."""
-        return per_call(self.batches, batch_cap)

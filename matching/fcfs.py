@@ -11,14 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from matching.policy import (
-    Dispatch,
-    InstanceView,
-    PolicySetting,
-    QueuedQuery,
-    StageContext,
-    per_call,
-)
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 
 class FcfsPolicy:
@@ -69,10 +62,6 @@ class FcfsPolicy:
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """FCFS predicts nothing, so it learns nothing."""
-
-    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
-        """Up to ``batch_cap`` queries a call: FCFS batches."""
-        return per_call(self.batches, batch_cap)
 
 
 def take_batch(

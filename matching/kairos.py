@@ -57,14 +57,7 @@ from matching.chain_flow import chain_assignment_kernel
 from matching.cost import SAFETY, costs_kernel
 from matching.errors import MatchingError, MissingQosError, TailRatioError
 from matching.latency_model import LatencyModel, predict_kernel
-from matching.policy import (
-    Dispatch,
-    InstanceView,
-    PolicySetting,
-    QueuedQuery,
-    StageContext,
-    per_call,
-)
+from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
 
 ROWS_PER_INSTANCE = 2  # Kairos' authors cap a round at twice as many queries as instances
 FLOW_FROM_INSTANCES = 32  # rounds this wide or wider: the chain flow (docs/matching.md)
@@ -409,10 +402,6 @@ class KairosPolicy:
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """Feed a measured service time to the latency model."""
         self.latency.observe(instance_type, batch_size, latency_ms)
-
-    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
-        """One query a call, whatever the cap: Kairos sends each query alone."""
-        return per_call(self.batches, batch_cap)
 
     def _build_layout(self, types: tuple[str, ...]) -> _Layout:
         model = self.latency

@@ -93,24 +93,39 @@ class DispatchPolicy(Protocol):
         time, without queueing): what an online latency model learns from."""
         ...
 
-    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
-        """The most queued queries one call to an instance carries at ``now_s`` under the
-        stage's batch cap ``batch_cap`` (``StageContext.max_batch_queries``): the cap for a
-        policy that batches, 1 for one that runs each query alone (Kairos, Clockwork, DRS: a
-        query already is a batch; a registered class's ``batches``, see :func:`per_call`).
-        Admission control and the stage's capacity count an instance at this many queries a
-        call, in the simulator and the live dispatcher alike."""
-        ...
-
 
 def per_call(batches: bool, batch_cap: int) -> int:
-    """:meth:`DispatchPolicy.queries_per_call` of a policy whose class says whether it
-    ``batches`` (:class:`RegisteredPolicy`): ``batch_cap`` queries a call if it does, else 1.
+    """The queries one call carries under the batch cap ``batch_cap`` for a policy whose class
+    says whether it ``batches`` (:class:`RegisteredPolicy`): ``batch_cap`` if it does, else 1.
 
     >>> per_call(True, 4), per_call(False, 4)
     (4, 1)
     """
     return batch_cap if batches else 1
+
+
+def queries_per_call(policy: object, now_s: float, batch_cap: int) -> int:
+    """The most queued queries one call of ``policy`` to an instance carries at ``now_s`` under
+    the stage's batch cap ``batch_cap`` (``StageContext.max_batch_queries``): admission control
+    and the stage's capacity count an instance at this many, in the simulator and the live
+    dispatcher alike. A policy that switches between others over time (the replay's fleet rule,
+    a wrapper) answers with its own ``queries_per_call(now_s, batch_cap)`` method; any other by
+    its class's ``batches`` (:func:`per_call`: the cap for one that batches, 1 for one that runs
+    each query alone, as Kairos, Clockwork and DRS do; a class that does not say batches, as
+    FCFS does). The answer is within [1, ``batch_cap``].
+
+    >>> from matching.fcfs import FcfsPolicy
+    >>> from matching.kairos import KairosPolicy
+    >>> kairos = object.__new__(KairosPolicy)
+    >>> queries_per_call(FcfsPolicy(), 0.0, 4), queries_per_call(kairos, 0.0, 4)
+    (4, 1)
+    """
+    own = getattr(policy, "queries_per_call", None)
+    if callable(own):
+        n = int(own(now_s, batch_cap))
+    else:
+        n = per_call(bool(getattr(type(policy), "batches", True)), batch_cap)
+    return max(1, min(batch_cap, n))
 
 
 class ProfileView(Protocol):
@@ -159,7 +174,7 @@ class RegisteredPolicy(Protocol):
     types' rates. ``batches``: it sends a stage's queries in batches up to the stage's cap;
     False: each query runs alone whatever the cap (Kairos, Clockwork, DRS: a query already is
     a batch), so a batch cap above 1 means nothing to it, and admission control counts its
-    instances at one query a call (:meth:`DispatchPolicy.queries_per_call`, :func:`per_call`).
+    instances at one query a call (:func:`queries_per_call`).
     """
 
     name: ClassVar[str]

@@ -26,7 +26,14 @@ from estimator.policies import full_range_types, policy_class, policy_factory
 from estimator.profiles import LatencyProfile
 from estimator.simulator import InstanceSpec, Stage
 from estimator.traces import Trace
-from matching.policy import Dispatch, DispatchPolicy, InstanceView, QueuedQuery, StageContext
+from matching.policy import (
+    Dispatch,
+    DispatchPolicy,
+    InstanceView,
+    QueuedQuery,
+    StageContext,
+    queries_per_call,
+)
 
 __all__ = [
     "MIX_POLICY",
@@ -173,7 +180,7 @@ class FleetRulePolicy:
     def queries_per_call(self, now_s: float, batch_cap: int) -> int:
         """What the policy deciding at ``now_s`` sends a call (FCFS batches, Kairos does not),
         as the live stage's policy of that fleet would say."""
-        return self._at(now_s).queries_per_call(now_s, batch_cap)
+        return queries_per_call(self._at(now_s), now_s, batch_cap)
 
     def _at(self, now_s: float) -> DispatchPolicy:
         at = max(0, bisect.bisect_right(self.times, now_s) - 1)

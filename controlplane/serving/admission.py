@@ -9,7 +9,7 @@ gear's cascade (:class:`StageLoad`):
   of k_i / L_{m,t(i)}(k_i), L the profiled mean service time and k_i the batch of samples one
   dispatch gives it: the queries one call carries (the stage's batch cap where its policy
   batches, one query where it sends each alone, as Kairos does: :meth:`~controlplane.serving.
-  stages.ServingStage.call_cap`, ``DispatchPolicy.queries_per_call``), within the profile.
+  stages.ServingStage.call_cap`, :func:`matching.policy.queries_per_call`), within the profile.
   Until 2026-12-06 it was the batch cap whatever the policy, which under Kairos with a plan's
   cap above 1 overstated the capacity by the batching gain Kairos never takes;
 - the wait W_s a query joining the queue meets (:meth:`~controlplane.serving.stages.

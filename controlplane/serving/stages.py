@@ -18,7 +18,7 @@ from controlplane.serving.modelio import ModelIO
 from controlplane.serving.workers import Worker
 from estimator.profiles import LatencyProfile
 from matching.admission import Backlog, batch_samples, queue_wait_ms
-from matching.policy import DispatchPolicy
+from matching.policy import DispatchPolicy, queries_per_call
 from matching.queues import CentralQueue
 
 __all__ = ["DRAIN_WINDOW_S", "DrainMeter", "LatencyTable", "ServingStage", "Slot"]
@@ -187,11 +187,11 @@ class ServingStage:
 
     def call_cap(self, batch_cap: int, now_s: float) -> int:
         """The queries one call to an instance carries at most under the stage's batch cap
-        ``batch_cap``, as its policy sends them (``DispatchPolicy.queries_per_call``: the cap
+        ``batch_cap``, as its policy sends them (:func:`matching.policy.queries_per_call`: the cap
         where it batches, 1 where each query runs alone, as under Kairos): what its capacity
         and wait are counted at (the simulator's admission counts the same)."""
         policy = self.policy
-        return batch_cap if policy is None else policy.queries_per_call(now_s, batch_cap)
+        return batch_cap if policy is None else queries_per_call(policy, now_s, batch_cap)
 
     def rates(self, samples: int, cap: int) -> tuple[float, float]:
         """(:meth:`capacity_sps`, the fastest type's service ms) for queries of ``samples``

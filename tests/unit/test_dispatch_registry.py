@@ -18,7 +18,14 @@ from estimator.simulator import InstanceSpec, Stage, simulate
 from estimator.traces import Trace
 from matching import registry
 from matching.errors import MatchingError
-from matching.policy import Dispatch, InstanceView, PolicySetting, QueuedQuery, StageContext
+from matching.policy import (
+    Dispatch,
+    InstanceView,
+    PolicySetting,
+    QueuedQuery,
+    StageContext,
+    queries_per_call,
+)
 from tests.unit.test_replay import CPU, GPU, app_of, plan_document
 
 NAME = "slowest-first"
@@ -55,9 +62,6 @@ class SlowestFirstPolicy:
 
     def observe(self, instance_type: str, batch_size: int, latency_ms: float) -> None:
         """It predicts nothing."""
-
-    def queries_per_call(self, now_s: float, batch_cap: int) -> int:
-        return batch_cap
 
 
 @pytest.fixture
@@ -139,3 +143,18 @@ def test_a_second_class_cannot_take_a_registered_name() -> None:
 
     with pytest.raises(MatchingError, match="already registered"):
         registry.register(Impostor)
+
+
+def test_a_registered_policy_says_what_a_call_carries_by_its_batches_alone() -> None:
+    # queries_per_call is no method a policy must write: admission counts a policy's call at
+    # its class's ``batches`` (the cap, or one query), within [1, cap] whatever a policy says.
+    class AloneFirst(SlowestFirstPolicy):
+        batches = False
+
+    class Overstating(SlowestFirstPolicy):
+        def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+            return 10 * batch_cap
+
+    assert queries_per_call(SlowestFirstPolicy(), 0.0, 4) == 4
+    assert queries_per_call(AloneFirst(), 0.0, 4) == 1
+    assert queries_per_call(Overstating(), 0.0, 4) == 4
