@@ -1364,8 +1364,9 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
     saves at least :data:`MIX_CHANGE_SAVING_SHARE` of what the current mix trimmed to the need
     would cost (:func:`_trim`, keeping one of each type it has) and the budget holds
     both while they overlap, launch what it lacks (the surplus stops on a later tick, once they
-    serve); else trim within the current mix (:func:`_scale_down`). True when something
-    changed."""
+    serve); where the budget does not hold both, a step of the change (:func:`_mix_step`: as
+    much of it as the budget holds, where that alone saves the share); else trim within the
+    current mix (:func:`_scale_down`). True when something changed."""
     config, prices = tick.config, tick.config.prices_usd_per_hr
     fleet = tick.fleets[plan.name]
     target = ladder_fleet(plan, needed_qps, prices, config.budget_usd_per_hr, tick.caps(plan.name))
@@ -1405,7 +1406,59 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
                 f"({_fleet_text(surplus)}) stops once it serves",
             )
         return True
+    if cost_target <= cost_now * (1.0 - MIX_CHANGE_SAVING_SHARE):
+        step = _mix_step(tick, plan, needed_qps, lacking, cost_now)
+        if step is not None:
+            added, cost_after = step
+            for name, count in sorted(added.items()):
+                tick.launch(
+                    plan,
+                    name,
+                    count,
+                    f"mix change in steps: {why}; need {needed_qps:.6g} qps; {aim} "
+                    f"(${cost_target:.4g}/hr against ${cost_now:.4g}/hr in the current mix), "
+                    f"which the budget (${config.budget_usd_per_hr:.4g}/hr) does not hold "
+                    f"beside the current fleet; added {count} x {name}, what the fleet with it "
+                    f"needs costing ${cost_after:.4g}/hr: the instances it makes spare stop "
+                    "once it serves",
+                )
+            return True
     return _scale_down(tick, plan, needed_qps, why)
+
+
+def _mix_step(
+    tick: _Tick,
+    plan: TunerStage,
+    needed_qps: float,
+    lacking: Mapping[str, int],
+    cost_now: float,
+) -> tuple[dict[str, int], float] | None:
+    """A step of a mix change the budget cannot hold whole beside the current fleet (both mixes
+    overlapping while the new one boots): as much of what the sizing model's fleet lacks as the
+    budget holds now, the types adding the most capacity per USD/hr first, where the fleet with
+    it, trimmed to the need (:func:`_trim`), saves at least :data:`MIX_CHANGE_SAVING_SHARE` of
+    ``cost_now`` (the current mix trimmed to it). The trim that stops what it makes spare is a
+    later tick's scale-down, once it serves; the next step then has that much more of the
+    budget. The instances to add and the trimmed fleet's cost with them; None when no instance
+    fits the budget or the step saves too little."""
+    config, prices = tick.config, tick.config.prices_usd_per_hr
+    mu = plan.rate_per_instance_qps
+    left = config.budget_usd_per_hr - tick.cost_usd_per_hr + _COST_SLACK_USD_PER_HR
+    added: dict[str, int] = {}
+    for name in sorted(lacking, key=lambda t: (-_per_usd(mu[t], prices[t]), prices[t], t)):
+        price = prices[name]
+        count = lacking[name] if price == 0.0 else min(lacking[name], math.floor(left / price))
+        if count > 0:
+            added[name] = count
+            left -= count * price
+    if not added:
+        return None
+    fleet = tick.fleets[plan.name]
+    with_step = {t: fleet.get(t, 0) + added.get(t, 0) for t in {*fleet, *added}}
+    cost_after = _fleet_cost(_trim(plan, with_step, needed_qps, prices), prices)
+    if cost_after > cost_now * (1.0 - MIX_CHANGE_SAVING_SHARE):
+        return None
+    return added, cost_after
 
 
 def load_factors(live_qps: ArrayLike, planned_qps: ArrayLike) -> np.ndarray:

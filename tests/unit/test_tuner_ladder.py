@@ -5,6 +5,7 @@ bring, the budget while two mixes overlap, and a blip read as noise."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
@@ -251,3 +252,52 @@ def test_a_load_on_a_flat_stretch_of_the_ladder_keeps_the_rung_it_needs() -> Non
     # Past the rung's capacity, by however little, more is needed.
     more = dict(ladder_fleet(plan, 70.5, PRICES, 10.0) or {})
     assert plan.capacity_qps(more) >= 70.5
+
+
+def test_a_mix_change_the_budget_cannot_hold_whole_goes_in_steps() -> None:
+    """After a peak at 2x on cpus, the load falls to 1.5x. The sizing model's fleet for it is on
+    a cheaper type (eff: 20 qps at $0.14/hr, against 10 qps at $0.1/hr), but the budget ($0.9/hr)
+    does not hold the new mix beside the cpus while it boots. The change goes in steps: as many
+    eff as the budget holds, then the cpus they make spare stop once they serve, never over the
+    budget, each eff bought once. Before, the stage stayed on its cpus for good ($0.5/hr and
+    more)."""
+    prices = {"cpu": 0.1, "eff": 0.14}
+    mu = {"cpu": 10.0, "eff": 20.0}
+    plan = TunerStage(
+        "m",
+        1.0,
+        {"cpu": 4},
+        mu,
+        1.0,
+        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
+        ladder=((1.0, {"cpu": 4}), (1.5, {"eff": 3}), (2.0, {"cpu": 8})),
+    )
+    cfg = TunerConfig(
+        windows_s=WINDOWS_S,
+        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
+        budget_usd_per_hr=0.9,
+        prices_usd_per_hr=prices,
+        boot_s={"cpu": 30.0, "eff": 30.0},
+        scale_down_delay_s=15.0,
+    )
+    need = plan.capacity_at_load_qps(1.5)
+    target = dict(ladder_fleet(plan, need, prices, 0.9) or {})
+    assert target == {"eff": 3}  # what the ladder says, not affordable beside the cpus
+    state = TunerState(fleets={"m": Fleet.of({"cpu": 8})}, last_change_s=0.0, started_s=-600.0)
+    arrivals = steady(48, -600.0, 400.0)
+    launched: list[tuple[str, int]] = []
+    for now in np.arange(1.0, 400.0):
+        decisions, state = tune(arrivals[arrivals <= now], float(now), state, [plan], cfg)
+        launched += [(d.instance_type, d.count) for d in decisions if d.action == "scale_up"]
+        assert fleet_cost_usd_per_hr(state, prices) <= cfg.budget_usd_per_hr + 1e-9
+        # Never below the need once the cpus have been trimmed to it.
+        assert plan.capacity_qps(ready_fleets(state, float(now))["m"]) + 1e-9 >= min(
+            need, plan.capacity_qps(state.fleets["m"])
+        )
+    final = {t: n for t, n in state.fleets["m"].items() if n}
+    assert launched and all(t == "eff" for t, _ in launched), launched
+    assert sum(n for _, n in launched) <= 3, launched  # bought once, never back and forth
+    assert plan.capacity_qps(final) + 1e-9 >= need
+    # Cheaper than the cpus trimmed to the need, by at least the mix change's share.
+    cpus_only = math.ceil(need / mu["cpu"]) * prices["cpu"]
+    assert fleet_cost_usd_per_hr(state, prices) <= 0.9 * cpus_only + 1e-9, final
