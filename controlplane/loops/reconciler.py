@@ -1955,12 +1955,26 @@ def _move_back_to_spot(
         # The rows whose spot replacement is kept already (the type's rows past its count): only
         # those an earlier move back took as returning, and once the fall has held those a rise
         # launched on demand in place of spot ones. Any other row past the count (a plan cut)
-        # is the scale-down's (rule 5).
+        # is the scale-down's (rule 5). A rise's replacement is past the count only beside the
+        # spot rows it was launched in place of (older than it): beside spot rows launched after
+        # it (a move back once the fall held, a relaunch), its rise is over and it is one of the
+        # type's count.
+        own_spot_born = sorted(
+            row.record.created_at
+            for row in of_type
+            if row.record.market == "spot" and row.record.instance_type == instance_type
+        )
         rise_made = [
             row
             for row in own_on_demand
-            if row.id in ctx.replacements and row.id not in ctx.returning
+            if row.id in ctx.replacements
+            and row.id not in ctx.returning
+            and own_spot_born
+            and own_spot_born[0] < row.record.created_at
         ]
+        replaced_spot = sum(
+            1 for born in own_spot_born if rise_made and born < rise_made[-1].record.created_at
+        )
         rise_ids = {row.id for row in rise_made} if instance_type in ctx.fallen else set()
         known = [row for row in own_on_demand if row.id in ctx.returning or row.id in rise_ids]
         replaced = 0
@@ -1978,7 +1992,7 @@ def _move_back_to_spot(
                 kept,
                 rows,
                 instance_type,
-                min(len(rise_made), over - replaced),
+                min(len(rise_made), replaced_spot, over - replaced),
                 allowed,
                 ctx,
                 actions,

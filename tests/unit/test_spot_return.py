@@ -171,3 +171,26 @@ def test_a_price_that_swings_back_keeps_the_rise_replacements_until_the_hold() -
     drained = [a for a in back if isinstance(a, Mark) and a.to_state == "draining"]
     assert {a.instance_id for a in drained} == ids, back
     assert all(a.reason.startswith("spot_return:") for a in drained), back
+
+
+def test_a_plan_cut_after_the_rise_is_given_back_drains_under_the_scale_down() -> None:
+    # A rise's two on-demand replacements outlived its move: the fall held and the move back
+    # returned the older base rows to spot, leaving the replacements as the plan's on-demand
+    # base beside two newer spot ones. The plan is then cut from {small: 4} to {small: 3}, 2 on
+    # spot: the extra one is the scale-down's (rule 5 takes its drain back if the count rises
+    # again), whether or not the spot price is still down; neither a spot one drained as the
+    # rise's move nor a replacement under spot_return.
+    replacements = [row("small", age_s=900.0), row("small", age_s=800.0)]
+    spot = [spot_row("small", age_s=100.0), spot_row("small", age_s=100.0)]
+    for fallen in ((), ("small",)):
+        actions = run(
+            {"small": 3},
+            [*replacements, *spot],
+            desired_spot={"small": 2},
+            spot_prices_usd_per_hr=SPOT,
+            spot_replacements={r.id for r in replacements},
+            spot_fallen=fallen,
+        )
+        drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+        assert len(drained) == 1, (fallen, actions)
+        assert drained[0].reason.startswith("scale_down"), (fallen, drained[0].reason)
