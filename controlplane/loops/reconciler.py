@@ -1728,7 +1728,7 @@ def _launch_shortfall(
             capped_at[instance_type] = (price, "spot" if on_spot else "on-demand")
             continue
         committed += price
-        if on_spot:
+        if on_spot or moving:  # a risen type's on-demand launch fills one of its spot share
             spot_wanted[instance_type] -= 1
         actions.append(
             Launch(

@@ -194,3 +194,20 @@ def test_a_plan_cut_after_the_rise_is_given_back_drains_under_the_scale_down() -
         drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
         assert len(drained) == 1, (fallen, actions)
         assert drained[0].reason.startswith("scale_down"), (fallen, drained[0].reason)
+
+
+def test_only_the_rise_replacements_are_flagged_as_replacing_spot() -> None:
+    # The plan {small: 2}, 1 on spot: its on-demand base is missing and the spot one's price
+    # rises past the threshold and past the on-demand price. Both launches are on demand; only
+    # the one in the spot one's place replaces spot (the base one is the plan's on demand).
+    actions = run(
+        {"small": 2},
+        [spot_row("small", age_s=600.0)],
+        budget=0.2,
+        spot_prices_usd_per_hr={"small": 0.06},
+        desired_spot={"small": 1},
+        headroom_share=0.9,
+    )
+    launched = [a for a in actions if isinstance(a, Launch)]
+    assert [a.market for a in launched] == ["on-demand"] * 2, actions
+    assert sum(a.replaces_spot for a in launched) == 1, actions
