@@ -3001,8 +3001,10 @@ class Reconciler:
         are live, the others forgotten; after a start, both read back from the decisions first
         (the ``spot_return`` decisions' rows, the launches that replaced spot ones)."""
         if app not in self._spot_read:
+            # Marked read once read: a read that fails (a database hiccup) is tried again.
+            decisions = self.store.list_decisions(app, kinds=["launch", "spot_return"])
             self._spot_read.add(app)
-            for decision in self.store.list_decisions(app, kinds=["launch", "spot_return"]):
+            for decision in decisions:
                 if decision.kind == "spot_return" and decision.numbers.get("how") == (
                     "make_before_break"
                 ):

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from controlplane.errors import DatabaseError
 from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
 from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
@@ -597,5 +598,44 @@ def test_a_price_that_swings_back_gives_the_rise_replacements_back_only_through_
         for row in on_demand:  # drained by the move back (its spot replacements serve)
             reasons = [e.reason for e in world.store.list_instance_events(instance_id=row.id)]
             assert any(r.startswith("spot_return:") for r in reasons), reasons
+    finally:
+        world.close()
+
+
+def test_a_failed_read_after_a_restart_is_read_again(
+    template_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The move back under way after a restart, as above, the new leader's first read of the
+    # decisions failing (a database hiccup: that tick of the app fails, the next starts
+    # afresh): the next tick reads them again, so the returning ones' spot replacements are
+    # not taken for a surplus and ended.
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    try:
+        _risen_on_demand_then_fallen(world)
+        while not world.store.list_decisions(APP, kinds=["spot_return"]):
+            world.tick()
+        world.reconciler = Reconciler(
+            world.store, world.fake, world.clock, world.reconciler.pricing
+        )
+        world.reconciler.spot_headroom_share = 0.5
+        world.reconciler.spot_return_hold_s = _HOLD_S
+        read = world.store.list_decisions
+        failed: list[bool] = []
+
+        def flaky(*args: object, **kwargs: object) -> object:
+            if not failed and "spot_return" in (kwargs.get("kinds") or ()):  # type: ignore[operator]
+                failed.append(True)
+                raise DatabaseError("the database is not reachable")
+            return read(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(world.store, "list_decisions", flaky)
+        for _ in range(60):
+            actions = world.tick()
+            ended = [a for a in actions if type(a).__name__ == "Terminate"]
+            assert not [a for a in ended if a.cause == "scale_down"], ended
+            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert failed
+        assert world.kept() == [(SMALL, "spot")] * 3
     finally:
         world.close()
