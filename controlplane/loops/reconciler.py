@@ -1915,8 +1915,9 @@ def _move_back_to_spot(
     must carry at least what leaves). Rows past the type's count beside a full spot share are
     taken only where they are the move's own: those an earlier tick took as returning
     (``ctx.returning``: they drain once the type's other rows serve its count) and a rise's
-    on-demand replacements (``ctx.replacements``: they serve on, not counted, and drain so only
-    once the fall has held); any other (a plan cut) is left to the scale-down. The kept rows,
+    on-demand replacements beside spot rows of their type older than them (``ctx.replacements``:
+    they serve on, not counted, and drain so only once the fall has held); any other (a plan
+    cut) is left to the scale-down. The kept rows,
     the returning ones (paid for until they go), and how many serving rows it took out of
     service (drained, or ended before their replacement): disruptions the scale-down after it
     counts against the same budget."""
