@@ -1027,17 +1027,25 @@ def _scale_up(
         )
 
 
-def _scale_down(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> bool:
+def _scale_down(
+    tick: _Tick,
+    plan: TunerStage,
+    needed_qps: float,
+    why: str,
+    hold: Mapping[str, int] | None = None,
+) -> bool:
     """Stop the least cost-effective instances while the stage still serves ``needed_qps``, keeps
-    ``min_instances`` and keeps one instance of every type of the planned fleet; True when
-    something stopped.
+    ``min_instances``, keeps one instance of every type of the planned fleet and at least
+    ``hold[type]`` of a type (what the sizing model's fleet wants more of: a step of a mix change
+    stays, :func:`_scale_down_ladder`); True when something stopped.
 
     The last instance of a planned type stays because the planner chose the mix, not only the
     capacity: in a heterogeneous fleet the least cost-effective type is often the only one that
     serves the large queries within the SLO (the Kairos base type), and the tuner tunes
     replication, not hardware, so it never adds that type back."""
+    held = hold or {}
     if plan.capacity_model is not None:
-        return _scale_down_marginal(tick, plan, needed_qps, why)
+        return _scale_down_marginal(tick, plan, needed_qps, why, held)
     prices, mu = tick.config.prices_usd_per_hr, plan.rate_per_instance_qps
     fleet = tick.fleets[plan.name]
     capacity = _capacity_qps(fleet, mu)
@@ -1046,7 +1054,7 @@ def _scale_down(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> b
     for name in by_value:
         spare_qps = capacity - needed_qps
         spare_count = sum(fleet.values()) - plan.min_instances
-        keep = 1 if plan.fleet.get(name, 0) > 0 else 0
+        keep = max(1 if plan.fleet.get(name, 0) > 0 else 0, held.get(name, 0))
         slack = _RELATIVE_SLACK * max(1.0, needed_qps)
         count = min(fleet[name] - keep, spare_count, math.floor((spare_qps + slack) / mu[name]))
         if count <= 0:
@@ -1178,10 +1186,18 @@ def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
         )
 
 
-def _scale_down_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: str) -> bool:
+def _scale_down_marginal(
+    tick: _Tick,
+    plan: TunerStage,
+    needed_qps: float,
+    why: str,
+    hold: Mapping[str, int] | None = None,
+) -> bool:
     """With a capacity model: stop, one at a time, the instance whose removal loses the least
     capacity per USD/hr saved while the stage still serves ``needed_qps``, keeping
-    ``min_instances`` and one instance of every planned type; True when something stopped."""
+    ``min_instances``, one instance of every planned type and ``hold[type]`` of a type; True
+    when something stopped."""
+    held = hold or {}
     prices = tick.config.prices_usd_per_hr
     fleet = tick.fleets[plan.name]
     trial = dict(fleet)
@@ -1194,7 +1210,7 @@ def _scale_down_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: 
             capacity,
             needed_qps,
             prices,
-            lambda t: 1 if plan.fleet.get(t, 0) > 0 else 0,
+            lambda t: max(1 if plan.fleet.get(t, 0) > 0 else 0, held.get(t, 0)),
         )
         if found is None:
             break
@@ -1423,7 +1439,10 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
                     "once it serves",
                 )
             return True
-    return _scale_down(tick, plan, needed_qps, why)
+    # The trim within the mix keeps what the sizing model's fleet wants more of: a step already
+    # taken (its type may be the less cost-effective, which the trim would stop first, and a
+    # later step buy again) stays, and what it makes spare goes.
+    return _scale_down(tick, plan, needed_qps, why, {t: fleet.get(t, 0) for t in lacking})
 
 
 def _mix_step(

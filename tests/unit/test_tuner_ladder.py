@@ -301,3 +301,42 @@ def test_a_mix_change_the_budget_cannot_hold_whole_goes_in_steps() -> None:
     # Cheaper than the cpus trimmed to the need, by at least the mix change's share.
     cpus_only = math.ceil(need / mu["cpu"]) * prices["cpu"]
     assert fleet_cost_usd_per_hr(state, prices) <= 0.9 * cpus_only + 1e-9, final
+
+
+def test_a_step_of_a_mix_change_is_not_stopped_by_the_trim_that_follows_it() -> None:
+    """The new type may be less cost-effective than the old (the saving is in its finer grain:
+    two b, 48 qps at $1.3/hr, where a serves 40 qps at $1/hr and 42.5 qps needs two). After a
+    step bought one b beside four a, the next tick could not afford the rest; its trim within the
+    mix stopped the b first (the least qps per USD/hr, not a planned type), and a later tick
+    bought b again. What the sizing model's fleet wants more of stays; the a it makes spare go."""
+    prices = {"a": 1.0, "b": 0.65}
+    mu = {"a": 40.0, "b": 24.0}
+    plan = TunerStage(
+        "m",
+        1.0,
+        {"a": 1},
+        mu,
+        1.0,
+        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
+        ladder=((1.0, {"a": 1}), (1.0625, {"b": 2}), (2.0, {"a": 2}), (4.0, {"a": 4})),
+    )
+    cfg = TunerConfig(
+        windows_s=WINDOWS_S,
+        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
+        budget_usd_per_hr=4.7,
+        prices_usd_per_hr=prices,
+        boot_s={"a": 30.0, "b": 30.0},
+        scale_down_delay_s=15.0,
+    )
+    need = plan.capacity_at_load_qps(34 / PLANNED_QPS)
+    assert dict(ladder_fleet(plan, need, prices, 4.7) or {}) == {"b": 2}
+    state = TunerState(fleets={"m": Fleet.of({"a": 4})}, last_change_s=0.0, started_s=-600.0)
+    arrivals = steady(34, -600.0, 400.0)
+    made: list[tuple[float, str, str, int]] = []
+    for now in np.arange(1.0, 400.0):
+        decisions, state = tune(arrivals[arrivals <= now], float(now), state, [plan], cfg)
+        made += [(d.at_s, d.action, d.instance_type, d.count) for d in decisions]
+        assert fleet_cost_usd_per_hr(state, prices) <= cfg.budget_usd_per_hr + 1e-9
+    assert not [m for m in made if m[1] == "scale_down" and m[2] == "b"], made
+    assert sum(m[3] for m in made if m[1] == "scale_up") == 2, made
+    assert {t: n for t, n in state.fleets["m"].items() if n} == {"b": 2}, made
