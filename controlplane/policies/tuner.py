@@ -1434,9 +1434,9 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
                     f"mix change in steps: {why}; need {needed_qps:.6g} qps; {aim} "
                     f"(${cost_target:.4g}/hr against ${cost_now:.4g}/hr in the current mix), "
                     f"which the budget (${config.budget_usd_per_hr:.4g}/hr) does not hold "
-                    f"beside the current fleet; added {count} x {name}, what the fleet with it "
-                    f"needs costing ${cost_after:.4g}/hr: the instances it makes spare stop "
-                    "once it serves",
+                    f"beside the current fleet; added {count} x {name} (the step: "
+                    f"{_fleet_text(added)}), what the fleet with the step needs costing "
+                    f"${cost_after:.4g}/hr: the instances it makes spare stop once it serves",
                 )
             return True
     # The trim within the mix keeps what the sizing model's fleet wants more of: a step already

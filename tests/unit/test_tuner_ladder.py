@@ -340,3 +340,37 @@ def test_a_step_of_a_mix_change_is_not_stopped_by_the_trim_that_follows_it() -> 
     assert not [m for m in made if m[1] == "scale_down" and m[2] == "b"], made
     assert sum(m[3] for m in made if m[1] == "scale_up") == 2, made
     assert {t: n for t, n in state.fleets["m"].items() if n} == {"b": 2}, made
+
+
+def test_a_step_of_several_types_names_the_whole_step_in_each_decision() -> None:
+    """Each decision of a step names what the whole step adds, whose cost its reason gives (the
+    fleet with two c and one b, trimmed to the need, $1.75/hr), not only its own type."""
+    prices = {"a": 1.0, "b": 0.65, "c": 0.1}
+    mu = {"a": 40.0, "b": 24.0, "c": 10.0}
+    plan = TunerStage(
+        "m",
+        1.0,
+        {"a": 1},
+        mu,
+        1.0,
+        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
+        ladder=((1.5, {"b": 2, "c": 2}), (4.0, {"a": 4})),
+    )
+    cfg = TunerConfig(
+        windows_s=WINDOWS_S,
+        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
+        budget_usd_per_hr=5.0,
+        prices_usd_per_hr=prices,
+        boot_s={"a": 30.0, "b": 30.0, "c": 30.0},
+        scale_down_delay_s=15.0,
+    )
+    state = TunerState(fleets={"m": Fleet.of({"a": 4})}, last_change_s=0.0, started_s=-600.0)
+    arrivals = steady(48, -600.0, 20.0)
+    ups: list[ScalingDecision] = []
+    for now in np.arange(1.0, 20.0):
+        decisions, state = tune(arrivals[arrivals <= now], float(now), state, [plan], cfg)
+        ups += [d for d in decisions if d.action == "scale_up"]
+    assert [(d.instance_type, d.count) for d in ups] == [("b", 1), ("c", 2)], ups
+    for d in ups:
+        assert "mix change in steps" in d.reason and "(the step: 1 x b + 2 x c)" in d.reason
+        assert "$1.75/hr" in d.reason, d.reason
