@@ -10,6 +10,7 @@ dispatcher, so what is simulated is what runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
@@ -112,7 +113,8 @@ def queries_per_call(policy: object, now_s: float, batch_cap: int) -> int:
     a wrapper) answers with its own ``queries_per_call(now_s, batch_cap)`` method; any other by
     its class's ``batches`` (:func:`per_call`: the cap for one that batches, 1 for one that runs
     each query alone, as Kairos, Clockwork and DRS do; a class that does not say batches, as
-    FCFS does). The answer is within [1, ``batch_cap``].
+    FCFS does; also where its method raises: admission never fails on a policy's answer). The
+    answer is within [1, ``batch_cap``].
 
     >>> from matching.fcfs import FcfsPolicy
     >>> from matching.kairos import KairosPolicy
@@ -121,10 +123,11 @@ def queries_per_call(policy: object, now_s: float, batch_cap: int) -> int:
     (4, 1)
     """
     own = getattr(policy, "queries_per_call", None)
+    n = per_call(bool(getattr(type(policy), "batches", True)), batch_cap)
     if callable(own):
-        n = int(own(now_s, batch_cap))
-    else:
-        n = per_call(bool(getattr(type(policy), "batches", True)), batch_cap)
+        # A policy's own answer that fails counts as its class's.
+        with contextlib.suppress(Exception):
+            n = int(own(now_s, batch_cap))
     return max(1, min(batch_cap, n))
 
 

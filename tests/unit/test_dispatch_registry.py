@@ -155,6 +155,11 @@ def test_a_registered_policy_says_what_a_call_carries_by_its_batches_alone() -> 
         def queries_per_call(self, now_s: float, batch_cap: int) -> int:
             return 10 * batch_cap
 
+    class Failing(AloneFirst):
+        def queries_per_call(self, now_s: float, batch_cap: int) -> int:
+            raise RuntimeError("a policy's bug")
+
     assert queries_per_call(SlowestFirstPolicy(), 0.0, 4) == 4
     assert queries_per_call(AloneFirst(), 0.0, 4) == 1
     assert queries_per_call(Overstating(), 0.0, 4) == 4
+    assert queries_per_call(Failing(), 0.0, 4) == 1  # its class's batches, not an error
