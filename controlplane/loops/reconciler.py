@@ -516,6 +516,9 @@ class SpotReturned:
     how: str
     reason: str
     instance_ids: tuple[str, ...] = ()
+    # The rows that go are stand-ins of another type for ``instance_type`` (rules 10 and 11),
+    # not its own on-demand ones: one of at least its capacity, or k smaller ones for one.
+    stand_in: bool = False
 
 
 Action = (
@@ -659,6 +662,7 @@ def reconcile(
     spot_fallen: Collection[str] = (),
     spot_returning: Collection[str] = (),
     spot_replacements: Collection[str] = (),
+    spot_failing: Collection[str] = (),
 ) -> list[Action]:
     """What to do to bring one app's fleet to ``desired`` within ``budget_usd_per_hr``.
 
@@ -705,7 +709,10 @@ def reconcile(
     on-demand rows an earlier tick's move back took as returning (made before the break), whose
     spot replacements are the type's rows past its count; ``spot_replacements``: the ids of the
     on-demand rows launched in place of their own type's spot instances by a rise
-    (:attr:`Launch.replaces_spot`), given back to spot only once the fall has held. The rules
+    (:attr:`Launch.replaces_spot`), given back to spot only once the fall has held; the
+    stand-ins of another type for a fallen type go back too (made before the break only, taken
+    as returning by the ids of ``spot_returning`` as well), but for the types in
+    ``spot_failing``: launches that failed for want of capacity within the back-off. The rules
     are the module docstring's; the actions come in the order they must be carried out.
     """
     if budget_usd_per_hr < 0 or not math.isfinite(budget_usd_per_hr):
@@ -805,33 +812,35 @@ def reconcile(
                 if row.state in _KEPT or row.state is _S.DRAINING or _still_billed(row)
             )
         )
-        kept, returning, returned = _move_back_to_spot(
-            kept,
-            rows,
-            _Return(
-                desired,
-                desired_spot,
-                frozenset(spot_fallen) - risen - unavailable - frozenset(spot_on_demand),
-                risen,
-                prices_usd_per_hr,
-                spot_prices,
-                values,
-                stages,
-                notices or {},
-                budget_usd_per_hr - paid,
-                frozenset(spot_returning),
-                frozenset(spot_replacements),
-                (
-                    disruption.remaining(
-                        sum(1 for row in kept if row.state is _S.RUNNING), disrupted_in_window
-                    )
-                    if disruption is not None
-                    else len(rows)
-                ),
+        ctx = _Return(
+            desired,
+            desired_spot,
+            frozenset(spot_fallen) - risen - unavailable - frozenset(spot_on_demand),
+            risen,
+            prices_usd_per_hr,
+            spot_prices,
+            values,
+            stages,
+            notices or {},
+            budget_usd_per_hr - paid,
+            frozenset(spot_returning),
+            frozenset(spot_replacements),
+            (
+                disruption.remaining(
+                    sum(1 for row in kept if row.state is _S.RUNNING), disrupted_in_window
+                )
+                if disruption is not None
+                else len(rows)
             ),
-            actions,
+            frozenset(short_types) | frozenset(held_types),
+            frozenset(spot_failing),
         )
+        kept, returning, returned = _move_back_to_spot(kept, rows, ctx, actions)
         leaving += returning
+        # Then the stand-ins of another type, with what room and disruptions that left.
+        kept, returning, stood_down = _return_stand_ins(kept, rows, ctx, actions)
+        leaving += returning
+        returned += stood_down
     spared: list[_Row] = []
     if desired is not None:
         # The serving rows the move back drained or ended this tick count against the same
@@ -1878,6 +1887,10 @@ class _Return:
     returning: frozenset[str]
     replacements: frozenset[str]
     allowed: int
+    # The stand-ins' return: the types the provider is short of now (capacity, a refused
+    # launch), and those whose launches failed for want of capacity within the back-off.
+    blocked: frozenset[str] = frozenset()
+    failing: frozenset[str] = frozenset()
 
 
 def _serving_units(
@@ -2084,6 +2097,149 @@ def _move_back_to_spot(
                     actions,
                 )
         going += chosen
+    # What is left of the budget's room and of the disruption budget, for the stand-ins' return.
+    ctx.room_usd_per_hr = room - _BUDGET_SLACK_USD_PER_HR
+    ctx.allowed = allowed
+    gone = {row.id for row in going}
+    return [row for row in kept if row.id not in gone], going, disrupted
+
+
+def _stand_in_groups(rows: Iterable[_Row]) -> list[list[_Row]]:
+    """The stand-ins of one type grouped as the instances of it they stand in for: one of at
+    least its capacity alone, k smaller ones (each 1/k) together, oldest first. A group short of
+    one whole (one of its k gone) is left out: it returns as nothing."""
+    groups: list[list[_Row]] = []
+    group: list[_Row] = []
+    units = 0.0
+    for row in sorted(rows, key=lambda r: (r.record.created_at, r.record.request_id, r.id)):
+        group.append(row)
+        units += row.share
+        if units >= 1.0 - _UNIT_SLACK:
+            groups.append(group)
+            group, units = [], 0.0
+    return groups
+
+
+def _return_stand_ins(
+    kept: list[_Row], rows: Sequence[_Row], ctx: _Return, actions: list[Action]
+) -> tuple[list[_Row], list[_Row], int]:
+    """Rule 10's move back for the stand-ins of another type (rule 11's, or a rise's cheaper
+    choices): once the fall of a type the plan buys on spot has held (``ctx.fallen``, less the
+    types whose launches failed for want of capacity within the back-off, ``ctx.failing``), a
+    stand-in (k smaller ones for one: together) goes back to the type on spot, made before the
+    break only: where the budget pays the spot one next to it (``ctx.room_usd_per_hr``, what the
+    move back of the type's own rows left), the disruption budget lets it go, the type's other
+    rows leave none past its count (a surplus is the scale-down's), and its on-demand rows fill
+    the plan's on-demand base without it (so the launch in its slot is on spot). Such a stand-in
+    is *returning*: no longer kept (rule 7 launches the type on spot in its slot, its cost
+    reserved), it serves on until the type's other rows serve its desired count, then drains
+    (within the disruption budget; rule 9 ends it, cause ``spot_return``). Where the budget has
+    no room it stays: a gap is worse than its price. A stand-in an earlier tick took as
+    returning (``ctx.returning``) stays out of the kept fleet only beside its replacement (the
+    type's rows past its count) and while the provider is not short of the type
+    (``ctx.blocked``): a replacement that could not be launched leaves it serving, counted. The
+    kept rows, the returning ones (paid for until they go), and how many serving rows it took
+    out of service (the disruptions the scale-down after it counts against the same budget)."""
+    room = ctx.room_usd_per_hr + _BUDGET_SLACK_USD_PER_HR
+    allowed = ctx.allowed
+    disrupted = 0
+    going: list[_Row] = []
+    for instance_type in sorted(ctx.desired_spot):
+        want_spot = ctx.desired_spot[instance_type]
+        if want_spot <= 0 or instance_type in ctx.risen or instance_type in ctx.blocked:
+            continue
+        want = ctx.desired.get(instance_type, 0)
+        of_type = [row for row in kept if row.counted_type == instance_type]
+        groups = _stand_in_groups(
+            row for row in of_type if row.record.instance_type != instance_type
+        )
+        if not groups:
+            continue
+        over = _units(of_type) - want
+        # Those an earlier tick took as returning whose replacement is kept: past the count.
+        returning: list[list[_Row]] = []
+        for group in groups:
+            if all(row.id in ctx.returning for row in group) and over >= 1.0 - _UNIT_SLACK:
+                returning.append(group)
+                over -= _units(group)
+        spot = ctx.spot_now.get(instance_type)
+        on_demand = ctx.prices_usd_per_hr.get(instance_type)
+        new: list[list[_Row]] = []
+        if (
+            instance_type in ctx.fallen
+            and instance_type not in ctx.failing
+            and over <= _UNIT_SLACK
+            and spot is not None
+            and on_demand is not None
+            and 0 <= spot < on_demand
+        ):
+            base = max(0, want - want_spot)
+            returning_ids = {row.id for group in returning for row in group}
+            on_demand_units = _units(
+                row
+                for row in of_type
+                if row.record.market != "spot" and row.id not in returning_ids
+            )
+            for group in groups:
+                if any(row.id in returning_ids for row in group):
+                    continue  # (one taken as returning whose replacement went starts again)
+                if any(row.state is not _S.RUNNING for row in group):
+                    continue
+                leaves = _units(row for row in group if row.record.market != "spot")
+                if on_demand_units - leaves < base - _UNIT_SLACK:
+                    continue  # its slot is the plan's on-demand base: the launch would be too
+                if spot > room or allowed < len(group):
+                    break
+                room -= spot
+                allowed -= len(group)
+                on_demand_units -= leaves
+                new.append(group)
+        fell = (
+            f"{instance_type}'s spot price fell to {plain(spot or 0.0)} USD/hr, below its"
+            f" on-demand price of {plain(on_demand or 0.0)} USD/hr, and stayed down: the plan"
+            " buys it on spot;"
+        )
+        for group in new:
+            names = ", ".join(
+                f"{n} {t}"
+                for t, n in sorted(Counter(r.record.instance_type for r in group).items())
+            )
+            actions.append(
+                SpotReturned(
+                    instance_type,
+                    1,
+                    spot or 0.0,
+                    on_demand or 0.0,
+                    "make_before_break",
+                    f"{fell} {names} standing in for one go back to it, the spot one launched"
+                    " in their place within the budget; they drain once it serves",
+                    tuple(row.id for row in group),
+                    stand_in=True,
+                )
+            )
+        for group in returning:
+            ids = {row.id for row in group}
+            serving = _serving_units(rows, instance_type, ids, ctx.notices)
+            live = [row for row in group if row.state is _S.RUNNING]
+            if serving < want - _UNIT_SLACK or allowed < len(live):
+                continue  # serves on until its replacement does (or the budget lets it go)
+            allowed -= len(live)
+            disrupted += len(live)
+            for row in live:
+                _mark(
+                    row,
+                    _S.DRAINING,
+                    f"{SPOT_RETURN_DRAIN} standing in for {instance_type}, back on spot at"
+                    f" {plain(spot or 0.0)} USD/hr (on demand {plain(on_demand or 0.0)} USD/hr):"
+                    " its replacement serves; no new queries",
+                    actions,
+                )
+            rest = [row for row in group if row.state is not _S.RUNNING]
+            if rest:
+                _terminate(rest, "spot_return", "standing in: its replacement serves", actions)
+        going += [row for group in (*returning, *new) for row in group]
+    ctx.room_usd_per_hr = room - _BUDGET_SLACK_USD_PER_HR
+    ctx.allowed = allowed
     gone = {row.id for row in going}
     return [row for row in kept if row.id not in gone], going, disrupted
 
@@ -2670,6 +2826,9 @@ class Reconciler:
         # (app, instance type) -> monotonic time of the first capacity miss of its current run.
         self._capacity_missed_s: dict[tuple[str, str], float] = {}
         self._capacity_lock = threading.Lock()
+        # (app, instance type) -> monotonic time of its last capacity miss: its stand-ins do
+        # not go back to it for ``launch_backoff_s`` after (rule 10's move back).
+        self._capacity_missed_last_s: dict[tuple[str, str], float] = {}
         # Rule 11: app -> row id -> the type the row stands in for (read back from the app's
         # stand_in decisions the first time the app is reconciled by this process).
         self._stand_ins: dict[str, dict[str, str]] = {}
@@ -2795,6 +2954,11 @@ class Reconciler:
             for (name, t), until in self._spot_on_demand_until_s.items()
             if name == app.name and until > now_s
         }
+        failing = {
+            t
+            for (name, t), at in self._capacity_missed_last_s.items()
+            if name == app.name and now_s - at < self.launch_backoff_s
+        }
         teardown = teardown_requested(self.store, app)
         with self._capacity_lock:
             short = {t for (name, t) in self._capacity_missed_s if name == app.name}
@@ -2839,6 +3003,7 @@ class Reconciler:
             spot_fallen=fallen,
             spot_returning=self._spot_kept(self._spot_returning, app.name, rows),
             spot_replacements=self._spot_kept(self._spot_replacements, app.name, rows),
+            spot_failing=failing,
         )
         for action in actions:
             if isinstance(action, SpotReturned) and action.how == "make_before_break":
@@ -3358,6 +3523,7 @@ class Reconciler:
                     "on_demand_usd_per_hr": action.on_demand_usd_per_hr,
                     "how": action.how,
                     "instance_ids": list(action.instance_ids),
+                    **({"stand_in": True} if action.stand_in else {}),
                 },
             )
         elif isinstance(action, Report):
@@ -3747,6 +3913,8 @@ class Reconciler:
                 self._capacity_missed_s.setdefault(
                     (app.name, launch.instance_type), self.clock.now_s()
                 )
+            # Its stand-ins stay for the back-off after the last miss (a return would miss too).
+            self._capacity_missed_last_s[(app.name, launch.instance_type)] = self.clock.now_s()
         if error.retryable:
             # The row stays requested (its cost still counts) and is launched again next tick
             # with the same request id, until it works or becomes a straggler.

@@ -577,3 +577,38 @@ def test_the_instances_route_says_which_instances_run_on_spot(roomy: World) -> N
         roomy.tick()
     listed = [instance_out(i).model_dump(mode="json") for i in roomy.store.list_instances(APP)]
     assert sorted(i["market"] for i in listed) == ["on-demand", "spot", "spot"]
+
+
+def test_stand_ins_for_a_capacity_miss_go_back_only_once_its_launches_stop_failing(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # No capacity of small: two large ones on spot stand in for the plan's two small ones. Its
+    # spot price is low all along (the fall holds), but the stand-ins go back only once a
+    # launch back-off has passed since small's last capacity miss: while spot still has none, a
+    # try every back-off at most (its request ended as a surplus beside them, no further
+    # stand-in); once it has, small on spot is launched in their slots and they drain once it
+    # serves, never fewer than two serving.
+    world = spot_world(template_db, tmp_path, budget=1.0)
+    try:
+        world.fake.fail_capacity(SMALL)
+        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
+        for _ in range(4):
+            world.tick()
+        assert kept_types(world) == [(LARGE, "spot")] * 2
+        for _ in range(50):  # 250 s, within the back-off: nothing moves
+            assert not launches(world.tick())
+        for _ in range(150):  # spot still out of capacity past it: tried, never another stand-in
+            actions = world.tick()
+            assert all(stands_for is None for _, _, stands_for in launches(actions)), actions
+            assert len(world.rows("running")) >= 2
+            live = world.store.list_instances(APP, states=["pending", "running", "draining"])
+            assert sorted(r.instance_type for r in live) == [LARGE] * 2
+        world.fake.restore_capacity(SMALL)
+        for _ in range(120):
+            world.tick()
+            assert len(world.rows("running")) >= 2
+        assert kept_types(world) == [(SMALL, "spot")] * 2
+        moves = world.store.list_decisions(APP, kinds=["spot_return"])
+        assert moves and all(d.numbers["stand_in"] for d in moves)
+    finally:
+        world.store.close()

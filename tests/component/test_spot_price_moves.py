@@ -639,3 +639,53 @@ def test_a_failed_read_after_a_restart_is_read_again(
         assert world.kept() == [(SMALL, "spot")] * 3
     finally:
         world.close()
+
+
+def test_stand_ins_of_another_type_go_back_to_spot_once_the_fall_holds(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # A transient spike: three small ones on spot at 0.015 rise to 0.035 and move to three large
+    # ones on spot (0.03 each: as much for less), stand-ins of another type. Until 2026-12-06
+    # they stayed until a new plan. Now, once small's fall (0.015, below 0.05 less half) has held,
+    # small on spot is launched in each one's slot (room: 0.2 less 0.09), and the large ones
+    # drain once those serve: never fewer than three serving, the cap at every tick, a new
+    # leader midway included.
+    spot_prices = {SMALL: 0.015, LARGE: 0.03}
+    world = PricedWorld(template_db, tmp_path, 0.2, spot_prices, headroom_share=0.5)
+    world.reconciler.spot_return_hold_s = _HOLD_S
+    try:
+        world.serve_three_small_on_spot()
+        spot_prices[SMALL] = 0.035
+        assert launches(world.tick()) == [(LARGE, "spot", SMALL)] * 3
+        for _ in range(6):
+            world.tick()
+        assert world.kept() == [(LARGE, "spot")] * 3
+        spot_prices[SMALL] = 0.015
+        for _ in range(int(_HOLD_S // 5) - 1):  # the fall must hold first
+            assert not launches(world.tick())
+        launched: list[tuple[str, str, str | None]] = []
+        restarted = False
+        for _ in range(60):  # one at a time, as the disruption budget's window lets them go
+            actions = world.tick()
+            launched += launches(actions)
+            ended = [a for a in actions if type(a).__name__ == "Terminate"]
+            assert all(a.cause == "spot_return" for a in ended), ended
+            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+            if launched and not restarted:  # a new leader reads the returning ones back
+                world.reconciler = Reconciler(
+                    world.store, world.fake, world.clock, world.reconciler.pricing
+                )
+                world.reconciler.spot_headroom_share = 0.5
+                world.reconciler.spot_return_hold_s = _HOLD_S
+                restarted = True
+        assert launched == [(SMALL, "spot", None)] * 3
+        assert world.kept() == [(SMALL, "spot")] * 3
+        assert world.cost_now() == pytest.approx(0.045)
+        moves = world.store.list_decisions(APP, kinds=["spot_return"])
+        assert [(d.numbers["count"], d.numbers["stand_in"]) for d in moves] == [(1, True)] * 3
+        assert "fell to 0.015 USD/hr" in moves[0].reason, moves[0].reason
+        ended_rows = world.store.list_instances(APP, states=["terminating", "terminated"])
+        assert sorted(r.instance_type for r in ended_rows) == [LARGE] * 3 + [SMALL] * 3
+        assert world.reconciler.held_back(APP).stand_ins == {}
+    finally:
+        world.close()

@@ -44,7 +44,8 @@ def test_the_move_back_and_a_scale_down_share_one_disruption_budget() -> None:
 
 def test_an_on_demand_stand_in_does_not_move_the_on_demand_base_to_spot() -> None:
     # The plan {small: 4} with 2 on spot: 2 small on demand (its base), 1 small on spot and a
-    # large one on demand standing in for the other spot one. The base stays on demand.
+    # large one on demand standing in for the other spot one. The base stays on demand: what
+    # goes back to spot is the stand-in, its slot (one small on spot launched next to it).
     base = [row("small", age_s=600.0), row("small", age_s=500.0)]
     stand_in = row("large", age_s=100.0)
     rows = [*base, spot_row("small", age_s=300.0), stand_in]
@@ -56,8 +57,11 @@ def test_an_on_demand_stand_in_does_not_move_the_on_demand_base_to_spot() -> Non
         spot_fallen={"small"},
         stand_ins={stand_in.id: "small"},
     )
-    assert not [a for a in actions if isinstance(a, SpotReturned)], actions
-    assert not [a for a in actions if isinstance(a, Launch)], actions
+    returned = [a for a in actions if isinstance(a, SpotReturned)]
+    assert [(a.instance_ids, a.stand_in) for a in returned] == [((stand_in.id,), True)], actions
+    launched = [a for a in actions if isinstance(a, Launch)]
+    assert [(a.instance_type, a.market) for a in launched] == [("small", "spot")], actions
+    assert not _gone(actions), actions
 
 
 def test_a_lingering_stand_in_does_not_drain_the_on_demand_base() -> None:
@@ -211,3 +215,99 @@ def test_only_the_rise_replacements_are_flagged_as_replacing_spot() -> None:
     launched = [a for a in actions if isinstance(a, Launch)]
     assert [a.market for a in launched] == ["on-demand"] * 2, actions
     assert sum(a.replaces_spot for a in launched) == 1, actions
+
+
+def _stand_ins(instance_type: str, count: int, age_s: float) -> list[InstanceRecord]:
+    return [row(instance_type, age_s=age_s) for _ in range(count)]
+
+
+def test_stand_ins_of_another_type_go_back_once_the_fall_holds() -> None:
+    # The plan {small: 3}, all on spot; a rise (or a shortage) left three large ones on demand
+    # standing in for them. Once small's fall has held, each goes back made before the break:
+    # small on spot launched in its slot while it serves on, drained only once those serve.
+    stand_ins = _stand_ins("large", 3, age_s=900.0)
+    standing = {r.id: "small" for r in stand_ins}
+    plan = {
+        "desired_spot": {"small": 3},
+        "spot_prices_usd_per_hr": SPOT,
+        "stand_ins": standing,
+        "budget": 0.4,  # 0.3 paid: room for the three spot ones (0.045) next to them
+    }
+    held = run({"small": 3}, stand_ins, **plan)  # the fall not held yet: nothing moves
+    assert not [a for a in held if isinstance(a, SpotReturned | Launch)], held
+    first = run({"small": 3}, stand_ins, spot_fallen={"small"}, **plan)
+    returned = [a for a in first if isinstance(a, SpotReturned)]
+    assert [(a.instance_ids, a.how, a.stand_in) for a in returned] == [
+        ((r.id,), "make_before_break", True) for r in stand_ins
+    ], first
+    launched = [a for a in first if isinstance(a, Launch)]
+    assert [(a.instance_type, a.market, a.stands_for) for a in launched] == [
+        ("small", "spot", None)
+    ] * 3, first
+    assert not _gone(first), first  # nothing leaves before its replacement serves
+    returning = {r.id for r in stand_ins}
+    for state in ("pending", "running"):
+        replacements = [
+            dataclasses.replace(spot_row("small", age_s=30.0), state=state) for _ in range(3)
+        ]
+        actions = run(
+            {"small": 3},
+            [*stand_ins, *replacements],
+            spot_fallen={"small"},
+            spot_returning=returning,
+            **plan,
+        )
+        assert not [a for a in actions if isinstance(a, Launch)], (state, actions)
+        assert not _gone(actions) & {r.id for r in replacements}, (state, actions)
+        drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+        if state == "pending":
+            assert not drained, actions  # the stand-ins serve until the spot ones do
+        else:
+            assert {a.instance_id for a in drained} == returning, actions
+            assert all(a.reason.startswith("spot_return:") for a in drained), actions
+
+
+def test_k_smaller_stand_ins_for_one_go_back_together_as_one() -> None:
+    # The plan {large: 1} on spot, served by four small ones on demand, a quarter each.
+    stand_ins = _stand_ins("small", 4, age_s=900.0)
+    actions = run(
+        {"large": 1},
+        stand_ins,
+        budget=0.3,
+        desired_spot={"large": 1},
+        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
+        stand_ins={r.id: "large" for r in stand_ins},
+        stand_in_shares={r.id: 0.25 for r in stand_ins},
+        spot_fallen={"large"},
+    )
+    returned = [a for a in actions if isinstance(a, SpotReturned)]
+    assert [(a.count, set(a.instance_ids)) for a in returned] == [(1, {r.id for r in stand_ins})], (
+        actions
+    )
+    launched = [a for a in actions if isinstance(a, Launch)]
+    assert [(a.instance_type, a.market) for a in launched] == [("large", "spot")], actions
+    assert not _gone(actions), actions
+
+
+def test_stand_ins_stay_where_the_budget_does_not_pay_for_both() -> None:
+    # The same three large stand-ins (0.3 on demand): under a budget of 0.314 a spot small one
+    # (0.015) next to one of them is over it, and a gap (break then make) is worse than their
+    # price: they stay. Under 0.315 the budget pays for one next to them: one goes back. None
+    # does while small's launches fail for want of capacity (the back-off).
+    stand_ins = _stand_ins("large", 3, age_s=900.0)
+    for budget, failing, back in ((0.314, (), 0), (0.315, (), 1), (0.4, ("small",), 0)):
+        actions = run(
+            {"small": 3},
+            stand_ins,
+            budget=budget,
+            desired_spot={"small": 3},
+            spot_prices_usd_per_hr=SPOT,
+            stand_ins={r.id: "small" for r in stand_ins},
+            spot_fallen={"small"},
+            spot_failing=failing,
+        )
+        returned = [a for a in actions if isinstance(a, SpotReturned)]
+        assert [a.instance_ids for a in returned] == [(stand_ins[0].id,)] * back, actions
+        launched = [a for a in actions if isinstance(a, Launch)]
+        assert [(a.instance_type, a.market) for a in launched] == [("small", "spot")] * back
+        assert not _gone(actions), actions
