@@ -131,7 +131,12 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     Once their spot replacements serve, the returning rows drain (``spot_returning``); so do a
     rise's on-demand replacements (``spot_replacements``) that the spot rows still kept made
     extra, but only once the fall has held. Any other row past the type's count (a plan cut)
-    is rule 5's.
+    is rule 5's. The type's stand-ins of another type (rule 11's, or a rise's cheaper choices;
+    k smaller ones for one together) go back too, once the fall has held and but for a type
+    whose launches missed capacity within the back-off (``spot_failing``): made before the
+    break only (the type launched on spot in the stand-in's slot where the budget pays for
+    both; the stand-in, returning, drains once the type's rows serve its count, within the same
+    disruption budget), else they stay.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -143,9 +148,9 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     failing that, where only the type's spot is short, the type itself on demand. A
     ``requested`` row of the short type that waits for capacity is given up for it (marked
     ``failed``). The stand-in counts as the type it stands in for (rules 5 and 9; ``stand_ins``,
-    read back from the ``stand_in`` decisions after a restart), one for one, and stays when the
-    type comes back; a new plan ends it as any excess. Each is one ``stand_in`` decision (which
-    type, which market, the price, why).
+    read back from the ``stand_in`` decisions after a restart), one for one, until rule 10's
+    move back returns it to the type on spot (above) or a new plan ends it as any excess. Each
+    is one ``stand_in`` decision (which type, which market, the price, why).
 
 **Teardown** (``heteroplane app down``, :mod:`controlplane.apps.teardown`): every kept row is
 ended at once (cause ``teardown``; neither guard of rule 5 applies) and nothing is launched;
