@@ -1054,7 +1054,7 @@ def _scale_down(
     for name in by_value:
         spare_qps = capacity - needed_qps
         spare_count = sum(fleet.values()) - plan.min_instances
-        keep = max(1 if plan.fleet.get(name, 0) > 0 else 0, held.get(name, 0))
+        keep = _kept_by_scale_down(plan, held, name)
         slack = _RELATIVE_SLACK * max(1.0, needed_qps)
         count = min(fleet[name] - keep, spare_count, math.floor((spare_qps + slack) / mu[name]))
         if count <= 0:
@@ -1186,18 +1186,19 @@ def _scale_up_marginal(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
         )
 
 
+def _kept_by_scale_down(plan: TunerStage, held: Mapping[str, int], name: str) -> int:
+    """How many instances of type ``name`` a scale-down keeps (:func:`_scale_down`): one of a
+    planned type, and at least ``held[name]``."""
+    return max(1 if plan.fleet.get(name, 0) > 0 else 0, held.get(name, 0))
+
+
 def _scale_down_marginal(
-    tick: _Tick,
-    plan: TunerStage,
-    needed_qps: float,
-    why: str,
-    hold: Mapping[str, int] | None = None,
+    tick: _Tick, plan: TunerStage, needed_qps: float, why: str, held: Mapping[str, int]
 ) -> bool:
     """With a capacity model: stop, one at a time, the instance whose removal loses the least
     capacity per USD/hr saved while the stage still serves ``needed_qps``, keeping
-    ``min_instances``, one instance of every planned type and ``hold[type]`` of a type; True
+    ``min_instances``, one instance of every planned type and ``held[type]`` of a type; True
     when something stopped."""
-    held = hold or {}
     prices = tick.config.prices_usd_per_hr
     fleet = tick.fleets[plan.name]
     trial = dict(fleet)
@@ -1210,7 +1211,7 @@ def _scale_down_marginal(
             capacity,
             needed_qps,
             prices,
-            lambda t: max(1 if plan.fleet.get(t, 0) > 0 else 0, held.get(t, 0)),
+            lambda t: _kept_by_scale_down(plan, held, t),
         )
         if found is None:
             break

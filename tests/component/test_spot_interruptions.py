@@ -335,39 +335,46 @@ def kept_types(world: World) -> list[tuple[str, str]]:
     return sorted((r.instance_type, r.market) for r in kept)
 
 
-def test_a_type_without_capacity_is_stood_in_for_by_the_next_of_the_ranking(
-    template_db: Path, tmp_path: Path
-) -> None:
+@pytest.fixture
+def short_of_small(template_db: Path, tmp_path: Path) -> Iterator[World]:
+    """Spot priced (:func:`spot_world`, a budget of 1.0), no capacity of small, and a plan of two
+    small ones on spot."""
     world = spot_world(template_db, tmp_path, budget=1.0)
     try:
         world.fake.fail_capacity(SMALL)
         apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
-        first = world.tick()
-        assert launches(first) == [(SMALL, "spot", None)] * 2  # refused: no capacity
-
-        second = world.tick()
-
-        # The waiting launches are given up for a type that serves at least as much, on spot.
-        assert launches(second) == [(LARGE, "spot", SMALL)] * 2
-        decisions = world.store.list_decisions(APP, kinds=["stand_in"])
-        assert [d.numbers["stands_for"] for d in decisions] == [SMALL, SMALL]
-        assert "short of emu.cpu.small" in decisions[0].reason
-        failed = world.store.list_instances(APP, states=["failed"])
-        assert [r.instance_type for r in failed] == [SMALL, SMALL]
-        # The stand-ins count as the type they stand in for: kept, nothing more launched.
-        for _ in range(4):
-            assert not launches(world.tick())
-        assert kept_types(world) == [(LARGE, "spot"), (LARGE, "spot")]
-        assert len(world.rows("running")) == 2
-
-        # A reconciler started afresh (a restart) reads the stand-ins back from the decisions.
-        assert_a_restart_changes_nothing(world)
+        yield world
     finally:
         world.store.close()
 
 
+def test_a_type_without_capacity_is_stood_in_for_by_the_next_of_the_ranking(
+    short_of_small: World,
+) -> None:
+    first = short_of_small.tick()
+    assert launches(first) == [(SMALL, "spot", None)] * 2  # refused: no capacity
+
+    second = short_of_small.tick()
+
+    # The waiting launches are given up for a type that serves at least as much, on spot.
+    assert launches(second) == [(LARGE, "spot", SMALL)] * 2
+    decisions = short_of_small.store.list_decisions(APP, kinds=["stand_in"])
+    assert [d.numbers["stands_for"] for d in decisions] == [SMALL, SMALL]
+    assert "short of emu.cpu.small" in decisions[0].reason
+    failed = short_of_small.store.list_instances(APP, states=["failed"])
+    assert [r.instance_type for r in failed] == [SMALL, SMALL]
+    # The stand-ins count as the type they stand in for: kept, nothing more launched.
+    for _ in range(4):
+        assert not launches(short_of_small.tick())
+    assert kept_types(short_of_small) == [(LARGE, "spot"), (LARGE, "spot")]
+    assert len(short_of_small.rows("running")) == 2
+
+    # A reconciler started afresh (a restart) reads the stand-ins back from the decisions.
+    assert_a_restart_changes_nothing(short_of_small)
+
+
 def test_infaas_counts_the_reconcilers_stand_ins_as_the_type_they_stand_in_for(
-    template_db: Path, tmp_path: Path
+    short_of_small: World,
 ) -> None:
     """The reconciler says which of its instances stand in for which type (``held_back``'s
     ``stand_ins``, as the service passes it to INFaaS's autoscaler), also once started afresh.
@@ -385,34 +392,28 @@ def test_infaas_counts_the_reconcilers_stand_ins_as_the_type_they_stand_in_for(
         initial_state,
     )
 
-    world = spot_world(template_db, tmp_path, budget=1.0)
-    try:
-        world.fake.fail_capacity(SMALL)
-        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
-        for _ in range(4):
-            world.tick()
-        running = world.store.list_instances(APP, states=["running"])
-        assert sorted(r.instance_type for r in running) == [LARGE, LARGE]
-        held = world.reconciler.held_back(APP)
-        assert dict(held.stand_ins) == {r.id: StandIn(SMALL) for r in running}
-        assert_a_restart_changes_nothing(world)
-        held = world.reconciler.held_back(APP)
-        assert dict(held.stand_ins) == {r.id: StandIn(SMALL) for r in running}
+    for _ in range(4):
+        short_of_small.tick()
+    running = short_of_small.store.list_instances(APP, states=["running"])
+    assert sorted(r.instance_type for r in running) == [LARGE, LARGE]
+    held = short_of_small.reconciler.held_back(APP)
+    assert dict(held.stand_ins) == {r.id: StandIn(SMALL) for r in running}
+    assert_a_restart_changes_nothing(short_of_small)
+    held = short_of_small.reconciler.held_back(APP)
+    assert dict(held.stand_ins) == {r.id: StandIn(SMALL) for r in running}
 
-        variants = [
-            VariantProfile("tiny", SMALL, 10.0, 20.0),
-            VariantProfile("tiny", LARGE, 40.0, 30.0),
-        ]
-        serving = [ServedInstance(r.id, r.instance_type, {"tiny": "active"}, 0.9) for r in running]
-        context = ScalingContext(
-            "recs", 100.0, {"tiny": 75.0}, serving, variants, PRICES, 1.0, held_back=held
-        )
-        (up,), after = decide(context, initial_state({SMALL: 1}, 0.0))
-        assert up.numbers["capacity_qps_before"] == 80.0, up.reason
-        assert up.numbers["taken_back"] == {SMALL: 1}, up.reason
-        assert dict(after.fleet) == {SMALL: 4}, up.reason
-    finally:
-        world.store.close()
+    variants = [
+        VariantProfile("tiny", SMALL, 10.0, 20.0),
+        VariantProfile("tiny", LARGE, 40.0, 30.0),
+    ]
+    serving = [ServedInstance(r.id, r.instance_type, {"tiny": "active"}, 0.9) for r in running]
+    context = ScalingContext(
+        "recs", 100.0, {"tiny": 75.0}, serving, variants, PRICES, 1.0, held_back=held
+    )
+    (up,), after = decide(context, initial_state({SMALL: 1}, 0.0))
+    assert up.numbers["capacity_qps_before"] == 80.0, up.reason
+    assert up.numbers["taken_back"] == {SMALL: 1}, up.reason
+    assert dict(after.fleet) == {SMALL: 4}, up.reason
 
 
 def test_a_refused_type_is_stood_in_for_within_the_budget_or_not_at_all(
@@ -580,7 +581,7 @@ def test_the_instances_route_says_which_instances_run_on_spot(roomy: World) -> N
 
 
 def test_stand_ins_for_a_capacity_miss_go_back_only_once_its_launches_stop_failing(
-    template_db: Path, tmp_path: Path
+    short_of_small: World,
 ) -> None:
     # No capacity of small: two large ones on spot stand in for the plan's two small ones. Its
     # spot price is low all along (the fall holds), but the stand-ins go back only once a
@@ -588,27 +589,21 @@ def test_stand_ins_for_a_capacity_miss_go_back_only_once_its_launches_stop_faili
     # try every back-off at most (its request ended as a surplus beside them, no further
     # stand-in); once it has, small on spot is launched in their slots and they drain once it
     # serves, never fewer than two serving.
-    world = spot_world(template_db, tmp_path, budget=1.0)
-    try:
-        world.fake.fail_capacity(SMALL)
-        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
-        for _ in range(4):
-            world.tick()
-        assert kept_types(world) == [(LARGE, "spot")] * 2
-        for _ in range(50):  # 250 s, within the back-off: nothing moves
-            assert not launches(world.tick())
-        for _ in range(150):  # spot still out of capacity past it: tried, never another stand-in
-            actions = world.tick()
-            assert all(stands_for is None for _, _, stands_for in launches(actions)), actions
-            assert len(world.rows("running")) >= 2
-            live = world.store.list_instances(APP, states=["pending", "running", "draining"])
-            assert sorted(r.instance_type for r in live) == [LARGE] * 2
-        world.fake.restore_capacity(SMALL)
-        for _ in range(120):
-            world.tick()
-            assert len(world.rows("running")) >= 2
-        assert kept_types(world) == [(SMALL, "spot")] * 2
-        moves = world.store.list_decisions(APP, kinds=["spot_return"])
-        assert moves and all(d.numbers["stand_in"] for d in moves)
-    finally:
-        world.store.close()
+    for _ in range(4):
+        short_of_small.tick()
+    assert kept_types(short_of_small) == [(LARGE, "spot")] * 2
+    for _ in range(50):  # 250 s, within the back-off: nothing moves
+        assert not launches(short_of_small.tick())
+    for _ in range(150):  # spot still out of capacity past it: tried, never another stand-in
+        actions = short_of_small.tick()
+        assert all(stands_for is None for _, _, stands_for in launches(actions)), actions
+        assert len(short_of_small.rows("running")) >= 2
+        live = short_of_small.store.list_instances(APP, states=["pending", "running", "draining"])
+        assert sorted(r.instance_type for r in live) == [LARGE] * 2
+    short_of_small.fake.restore_capacity(SMALL)
+    for _ in range(120):
+        short_of_small.tick()
+        assert len(short_of_small.rows("running")) >= 2
+    assert kept_types(short_of_small) == [(SMALL, "spot")] * 2
+    moves = short_of_small.store.list_decisions(APP, kinds=["spot_return"])
+    assert moves and all(d.numbers["stand_in"] for d in moves)

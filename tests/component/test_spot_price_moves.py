@@ -92,6 +92,19 @@ class PricedWorld(World):
         self.store.close()
 
 
+def _stand_in_world(template_db: Path, tmp_path: Path) -> PricedWorld:
+    """Small at 0.015 and large at 0.03 on spot, under a budget of 0.2, half of it the headroom."""
+    return PricedWorld(template_db, tmp_path, 0.2, {SMALL: 0.015, LARGE: 0.03}, headroom_share=0.5)
+
+
+def _small_risen_past_large(world: PricedWorld) -> None:
+    """Three small ones on spot whose price rises from 0.015 to 0.035: three large ones on spot
+    (0.03 each: as much capacity for less) are launched in their stead."""
+    world.serve_three_small_on_spot()
+    world.spot_prices[SMALL] = 0.035
+    assert launches(world.tick()) == [(LARGE, "spot", SMALL)] * 3
+
+
 def test_a_rise_into_the_headroom_moves_capacity_before_the_budget_is_breached(
     template_db: Path, tmp_path: Path
 ) -> None:
@@ -131,15 +144,10 @@ def test_where_the_budget_pays_for_both_the_move_is_made_before_the_risen_ones_g
 ) -> None:
     # The move starts at 0.1 USD/hr (half the budget of 0.2), with room to launch three large
     # ones on spot (0.09) next to the three risen small ones (0.105).
-    spot_prices = {SMALL: 0.015, LARGE: 0.03}
-    world = PricedWorld(template_db, tmp_path, 0.2, spot_prices, headroom_share=0.5)
+    world = _stand_in_world(template_db, tmp_path)
     try:
-        world.serve_three_small_on_spot()
-        spot_prices[SMALL] = 0.035
+        _small_risen_past_large(world)
 
-        actions = world.tick()
-
-        assert launches(actions) == [(LARGE, "spot", SMALL)] * 3
         assert len(world.store.list_instances(APP, states=["running"])) == 3  # they serve on
         assert not world.store.list_decisions(APP, kinds=["terminate"])
         for _ in range(6):
@@ -391,6 +399,40 @@ def _risen_on_demand_then_fallen(world: PricedWorld) -> None:
     world.spot_prices[SMALL] = 0.015
 
 
+def _fall_world(template_db: Path, tmp_path: Path) -> PricedWorld:
+    """Small at 0.015 on spot (0.05 on demand), large out of reach, under a budget of 0.35 that
+    pays for a move back made before the break, half a price as the headroom."""
+    prices = {SMALL: 0.05, LARGE: 1.0}
+    return PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+
+
+def _new_leader(world: PricedWorld) -> None:
+    """A restart: a reconciler started afresh on ``world``, set as the tests set the first (half a
+    price as the headroom, the hold of :data:`_HOLD_S`); it reads the rest back from the store."""
+    world.reconciler = Reconciler(world.store, world.fake, world.clock, world.reconciler.pricing)
+    world.reconciler.spot_headroom_share = 0.5
+    world.reconciler.spot_return_hold_s = _HOLD_S
+
+
+def _restarted_while_moving_back(world: PricedWorld) -> None:
+    """Three small ones risen on demand and fallen back (:func:`_risen_on_demand_then_fallen`),
+    ticked until the move back has begun (its first spot_return decision), then a new leader."""
+    _risen_on_demand_then_fallen(world)
+    while not world.store.list_decisions(APP, kinds=["spot_return"]):
+        world.tick()
+    _new_leader(world)
+
+
+def _assert_the_move_back_goes_on(world: PricedWorld) -> None:
+    """Sixty ticks in which nothing is ended as a surplus (a scale-down) and never fewer than
+    three serve."""
+    for _ in range(60):
+        actions = world.tick()
+        ended = [a for a in actions if type(a).__name__ == "Terminate"]
+        assert not [a for a in ended if a.cause == "scale_down"], ended
+        assert len(world.store.list_instances(APP, states=["running"])) >= 3
+
+
 @pytest.mark.parametrize(
     ("budget", "headroom", "before_break"), [(0.16, 0.1, False), (0.35, 0.5, True)]
 )
@@ -432,8 +474,7 @@ def test_a_fall_after_a_rise_moves_the_fleet_back_to_spot(
 def test_a_fall_that_does_not_hold_moves_nothing_back(template_db: Path, tmp_path: Path) -> None:
     # The price falls for less than the hold, rises back to 0.06 and falls again, over and
     # over: the fleet stays on demand (no flapping), then moves once a fall holds.
-    prices = {SMALL: 0.05, LARGE: 1.0}
-    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    world = _fall_world(template_db, tmp_path)
     try:
         _risen_on_demand_then_fallen(world)
         for _ in range(4):
@@ -536,22 +577,10 @@ def test_a_move_back_under_way_goes_on_after_a_restart(template_db: Path, tmp_pa
     # The move back made before the break, a new leader midway: it reads which on-demand ones
     # are returning back from the spot_return decisions, so their spot replacements, past the
     # type's count until the on-demand ones drain, are not taken for a surplus and ended.
-    prices = {SMALL: 0.05, LARGE: 1.0}
-    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    world = _fall_world(template_db, tmp_path)
     try:
-        _risen_on_demand_then_fallen(world)
-        while not world.store.list_decisions(APP, kinds=["spot_return"]):
-            world.tick()
-        world.reconciler = Reconciler(
-            world.store, world.fake, world.clock, world.reconciler.pricing
-        )
-        world.reconciler.spot_headroom_share = 0.5
-        world.reconciler.spot_return_hold_s = _HOLD_S
-        for _ in range(60):
-            actions = world.tick()
-            ended = [a for a in actions if type(a).__name__ == "Terminate"]
-            assert not [a for a in ended if a.cause == "scale_down"], ended
-            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        _restarted_while_moving_back(world)
+        _assert_the_move_back_goes_on(world)
         assert world.kept() == [(SMALL, "spot")] * 3
     finally:
         world.close()
@@ -565,8 +594,7 @@ def test_a_price_that_swings_back_gives_the_rise_replacements_back_only_through_
     # on-demand replacements are launched next to them; the next tick the price is back at
     # 0.015. The replacements were drained once they served, without the hold: the fall that
     # gives them back to spot must hold for spot_return_hold_s as any other.
-    prices = {SMALL: 0.05, LARGE: 1.0}
-    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    world = _fall_world(template_db, tmp_path)
     try:
         world.reconciler.spot_return_hold_s = _HOLD_S
         world.serve_three_small_on_spot()
@@ -576,11 +604,7 @@ def test_a_price_that_swings_back_gives_the_rise_replacements_back_only_through_
         fell_at = world.clock.now_s()
         world.tick()
         # A new leader reads which rows replaced spot ones back from the decisions.
-        world.reconciler = Reconciler(
-            world.store, world.fake, world.clock, world.reconciler.pricing
-        )
-        world.reconciler.spot_headroom_share = 0.5
-        world.reconciler.spot_return_hold_s = _HOLD_S
+        _new_leader(world)
         while world.clock.now_s() - fell_at < _HOLD_S:
             world.tick()
             on_demand = [
@@ -609,17 +633,9 @@ def test_a_failed_read_after_a_restart_is_read_again(
     # decisions failing (a database hiccup: that tick of the app fails, the next starts
     # afresh): the next tick reads them again, so the returning ones' spot replacements are
     # not taken for a surplus and ended.
-    prices = {SMALL: 0.05, LARGE: 1.0}
-    world = PricedWorld(template_db, tmp_path, 0.35, {SMALL: 0.015, LARGE: 0.5}, prices, 0.5)
+    world = _fall_world(template_db, tmp_path)
     try:
-        _risen_on_demand_then_fallen(world)
-        while not world.store.list_decisions(APP, kinds=["spot_return"]):
-            world.tick()
-        world.reconciler = Reconciler(
-            world.store, world.fake, world.clock, world.reconciler.pricing
-        )
-        world.reconciler.spot_headroom_share = 0.5
-        world.reconciler.spot_return_hold_s = _HOLD_S
+        _restarted_while_moving_back(world)
         read = world.store.list_decisions
         failed: list[bool] = []
 
@@ -630,11 +646,7 @@ def test_a_failed_read_after_a_restart_is_read_again(
             return read(*args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr(world.store, "list_decisions", flaky)
-        for _ in range(60):
-            actions = world.tick()
-            ended = [a for a in actions if type(a).__name__ == "Terminate"]
-            assert not [a for a in ended if a.cause == "scale_down"], ended
-            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        _assert_the_move_back_goes_on(world)
         assert failed
         assert world.kept() == [(SMALL, "spot")] * 3
     finally:
@@ -650,17 +662,14 @@ def test_stand_ins_of_another_type_go_back_to_spot_once_the_fall_holds(
     # small on spot is launched in each one's slot (room: 0.2 less 0.09), and the large ones
     # drain once those serve: never fewer than three serving, the cap at every tick, a new
     # leader midway included.
-    spot_prices = {SMALL: 0.015, LARGE: 0.03}
-    world = PricedWorld(template_db, tmp_path, 0.2, spot_prices, headroom_share=0.5)
+    world = _stand_in_world(template_db, tmp_path)
     world.reconciler.spot_return_hold_s = _HOLD_S
     try:
-        world.serve_three_small_on_spot()
-        spot_prices[SMALL] = 0.035
-        assert launches(world.tick()) == [(LARGE, "spot", SMALL)] * 3
+        _small_risen_past_large(world)
         for _ in range(6):
             world.tick()
         assert world.kept() == [(LARGE, "spot")] * 3
-        spot_prices[SMALL] = 0.015
+        world.spot_prices[SMALL] = 0.015
         for _ in range(int(_HOLD_S // 5) - 1):  # the fall must hold first
             assert not launches(world.tick())
         launched: list[tuple[str, str, str | None]] = []
@@ -672,11 +681,7 @@ def test_stand_ins_of_another_type_go_back_to_spot_once_the_fall_holds(
             assert all(a.cause == "spot_return" for a in ended), ended
             assert len(world.store.list_instances(APP, states=["running"])) >= 3
             if launched and not restarted:  # a new leader reads the returning ones back
-                world.reconciler = Reconciler(
-                    world.store, world.fake, world.clock, world.reconciler.pricing
-                )
-                world.reconciler.spot_headroom_share = 0.5
-                world.reconciler.spot_return_hold_s = _HOLD_S
+                _new_leader(world)
                 restarted = True
         assert launched == [(SMALL, "spot", None)] * 3
         assert world.kept() == [(SMALL, "spot")] * 3

@@ -142,17 +142,23 @@ def test_a_price_that_swings_back_keeps_the_rise_replacements_until_the_hold() -
     rise = run({"small": 3}, spot, budget=0.35, spot_prices_usd_per_hr={"small": 0.06}, **plan)
     launched = [a for a in rise if isinstance(a, Launch)]
     assert [(a.market, a.replaces_spot) for a in launched] == [("on-demand", True)] * 3, rise
-    for state in ("pending", "running"):
-        replacements = [row("small", state, age_s=30.0) for _ in launched]
-        ids = {r.id for r in replacements}
-        actions = run(
+
+    def after_the_rise(replacements: list[InstanceRecord], **fall: object) -> list[Action]:
+        """A tick with the price back at 0.015 beside the rise's ``replacements``."""
+        return run(
             {"small": 3},
             [*spot, *replacements],
             budget=0.35,
             spot_prices_usd_per_hr=SPOT,
-            spot_replacements=ids,
+            spot_replacements={r.id for r in replacements},
             **plan,
+            **fall,
         )
+
+    for state in ("pending", "running"):
+        replacements = [row("small", state, age_s=30.0) for _ in launched]
+        ids = {r.id for r in replacements}
+        actions = after_the_rise(replacements)
         assert not _gone(actions) & ids, (state, actions)
         assert not [a for a in actions if isinstance(a, Launch)], (state, actions)
         drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
@@ -163,15 +169,7 @@ def test_a_price_that_swings_back_keeps_the_rise_replacements_until_the_hold() -
             assert all(a.reason.startswith("moved off") for a in drained), actions
     # Had the spot ones stayed (their drain deferred), the fall once held gives the
     # replacements back to spot.
-    back = run(
-        {"small": 3},
-        [*spot, *replacements],
-        budget=0.35,
-        spot_prices_usd_per_hr=SPOT,
-        spot_replacements=ids,
-        spot_fallen={"small"},
-        **plan,
-    )
+    back = after_the_rise(replacements, spot_fallen={"small"})
     drained = [a for a in back if isinstance(a, Mark) and a.to_state == "draining"]
     assert {a.instance_id for a in drained} == ids, back
     assert all(a.reason.startswith("spot_return:") for a in drained), back

@@ -43,6 +43,7 @@ def steady(rate_qps: int, start_s: float, end_s: float) -> np.ndarray:
 def stage(
     ladder: tuple[tuple[float, Mapping[str, int]], ...] | None = None,
     fleet: Mapping[str, int] | None = None,
+    mu: Mapping[str, float] = MU,
 ) -> TunerStage:
     # Planned at 32 qps: 4 cpu (40 qps). At twice the load the planner chose one gpu (100 qps,
     # $0.5/hr), cheaper than the 8 cpu ($0.8/hr) the same mix would need.
@@ -51,7 +52,7 @@ def stage(
         "m",
         1.0,
         fleet or {"cpu": 4},
-        MU,
+        mu,
         1.0,
         capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
         ladder=rungs,
@@ -62,13 +63,14 @@ def config(
     budget_usd_per_hr: float = 10.0,
     persistence_s: float | None = None,
     prices: Mapping[str, float] = PRICES,
+    boot_s: Mapping[str, float] = BOOT_S,
 ) -> TunerConfig:
     return TunerConfig(
         windows_s=WINDOWS_S,
         planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
         budget_usd_per_hr=budget_usd_per_hr,
         prices_usd_per_hr=prices,
-        boot_s=BOOT_S,
+        boot_s=boot_s,
         scale_down_delay_s=15.0,
         persistence_s=persistence_s,
     )
@@ -263,23 +265,8 @@ def test_a_mix_change_the_budget_cannot_hold_whole_goes_in_steps() -> None:
     more)."""
     prices = {"cpu": 0.1, "eff": 0.14}
     mu = {"cpu": 10.0, "eff": 20.0}
-    plan = TunerStage(
-        "m",
-        1.0,
-        {"cpu": 4},
-        mu,
-        1.0,
-        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
-        ladder=((1.0, {"cpu": 4}), (1.5, {"eff": 3}), (2.0, {"cpu": 8})),
-    )
-    cfg = TunerConfig(
-        windows_s=WINDOWS_S,
-        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
-        budget_usd_per_hr=0.9,
-        prices_usd_per_hr=prices,
-        boot_s={"cpu": 30.0, "eff": 30.0},
-        scale_down_delay_s=15.0,
-    )
+    plan = stage(((1.0, {"cpu": 4}), (1.5, {"eff": 3}), (2.0, {"cpu": 8})), {"cpu": 4}, mu)
+    cfg = config(0.9, prices=prices, boot_s={"cpu": 30.0, "eff": 30.0})
     need = plan.capacity_at_load_qps(1.5)
     target = dict(ladder_fleet(plan, need, prices, 0.9) or {})
     assert target == {"eff": 3}  # what the ladder says, not affordable beside the cpus
@@ -311,23 +298,10 @@ def test_a_step_of_a_mix_change_is_not_stopped_by_the_trim_that_follows_it() -> 
     bought b again. What the sizing model's fleet wants more of stays; the a it makes spare go."""
     prices = {"a": 1.0, "b": 0.65}
     mu = {"a": 40.0, "b": 24.0}
-    plan = TunerStage(
-        "m",
-        1.0,
-        {"a": 1},
-        mu,
-        1.0,
-        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
-        ladder=((1.0, {"a": 1}), (1.0625, {"b": 2}), (2.0, {"a": 2}), (4.0, {"a": 4})),
+    plan = stage(
+        ((1.0, {"a": 1}), (1.0625, {"b": 2}), (2.0, {"a": 2}), (4.0, {"a": 4})), {"a": 1}, mu
     )
-    cfg = TunerConfig(
-        windows_s=WINDOWS_S,
-        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
-        budget_usd_per_hr=4.7,
-        prices_usd_per_hr=prices,
-        boot_s={"a": 30.0, "b": 30.0},
-        scale_down_delay_s=15.0,
-    )
+    cfg = config(4.7, prices=prices, boot_s={"a": 30.0, "b": 30.0})
     need = plan.capacity_at_load_qps(34 / PLANNED_QPS)
     assert dict(ladder_fleet(plan, need, prices, 4.7) or {}) == {"b": 2}
     state = TunerState(fleets={"m": Fleet.of({"a": 4})}, last_change_s=0.0, started_s=-600.0)
@@ -347,23 +321,8 @@ def test_a_step_of_several_types_names_the_whole_step_in_each_decision() -> None
     fleet with two c and one b, trimmed to the need, $1.75/hr), not only its own type."""
     prices = {"a": 1.0, "b": 0.65, "c": 0.1}
     mu = {"a": 40.0, "b": 24.0, "c": 10.0}
-    plan = TunerStage(
-        "m",
-        1.0,
-        {"a": 1},
-        mu,
-        1.0,
-        capacity_curve=((0.5, 0.5), (1.0, 1.0), (2.0, 2.0)),
-        ladder=((1.5, {"b": 2, "c": 2}), (4.0, {"a": 4})),
-    )
-    cfg = TunerConfig(
-        windows_s=WINDOWS_S,
-        planned_rate_qps=(PLANNED_QPS,) * len(WINDOWS_S),
-        budget_usd_per_hr=5.0,
-        prices_usd_per_hr=prices,
-        boot_s={"a": 30.0, "b": 30.0, "c": 30.0},
-        scale_down_delay_s=15.0,
-    )
+    plan = stage(((1.5, {"b": 2, "c": 2}), (4.0, {"a": 4})), {"a": 1}, mu)
+    cfg = config(5.0, prices=prices, boot_s={"a": 30.0, "b": 30.0, "c": 30.0})
     state = TunerState(fleets={"m": Fleet.of({"a": 4})}, last_change_s=0.0, started_s=-600.0)
     arrivals = steady(48, -600.0, 20.0)
     ups: list[ScalingDecision] = []
