@@ -2226,6 +2226,9 @@ def _return_stand_ins(
             ids = {row.id for row in group}
             serving = _serving_units(rows, instance_type, ids, ctx.notices)
             live = [row for row in group if row.state is _S.RUNNING]
+            # Read before the drain marks: a row marked draining below still drains (rule 9
+            # ends it after drain_s), it is not one that serves nothing yet.
+            rest = [row for row in group if row.state is not _S.RUNNING]
             if serving < want - _UNIT_SLACK or allowed < len(live):
                 continue  # serves on until its replacement does (or the budget lets it go)
             allowed -= len(live)
@@ -2239,7 +2242,6 @@ def _return_stand_ins(
                     " its replacement serves; no new queries",
                     actions,
                 )
-            rest = [row for row in group if row.state is not _S.RUNNING]
             if rest:
                 _terminate(rest, "spot_return", "standing in: its replacement serves", actions)
         going += [row for group in (*returning, *new) for row in group]

@@ -309,3 +309,23 @@ def test_stand_ins_stay_where_the_budget_does_not_pay_for_both() -> None:
         launched = [a for a in actions if isinstance(a, Launch)]
         assert [(a.instance_type, a.market) for a in launched] == [("small", "spot")] * back
         assert not _gone(actions), actions
+
+
+def test_a_returning_stand_in_drains_not_ended_in_the_tick_it_drains() -> None:
+    # A large stand-in for small, returning, beside its small spot replacement that serves: it
+    # drains (rule 9 ends it after drain_s), and is not also terminated in the same tick (its
+    # state read after the drain mark took it for one that serves nothing: the queries it
+    # held were cut).
+    stand_in = row("large", age_s=900.0)
+    actions = run(
+        {"small": 1},
+        [stand_in, spot_row("small", age_s=30.0)],
+        desired_spot={"small": 1},
+        spot_prices_usd_per_hr=SPOT,
+        stand_ins={stand_in.id: "small"},
+        spot_fallen={"small"},
+        spot_returning={stand_in.id},
+    )
+    drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+    assert [a.instance_id for a in drained] == [stand_in.id], actions
+    assert not [a for a in actions if isinstance(a, Terminate)], actions
