@@ -1905,11 +1905,13 @@ def _serving_units(
     notices: Mapping[str, datetime],
 ) -> float:
     """How much of ``instance_type`` (in units of one: a stand-in by its share) the running rows
-    other than ``leaving`` (row ids) serve, those under an interruption notice left out."""
+    other than ``leaving`` (row ids) serve, those under an interruption notice left out, and
+    profile workers (rule 8: they run next to the fleet and serve no query)."""
     return _units(
         row
         for row in rows
         if row.state is _S.RUNNING
+        and not _profiling(row)
         and row.counted_type == instance_type
         and row.id not in leaving
         and (row.provider_id or "") not in notices

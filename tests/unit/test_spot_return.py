@@ -8,7 +8,7 @@ import dataclasses
 from controlplane.db.store import InstanceRecord
 from controlplane.loops.reconciler import Action, Launch, Mark, SpotReturned, Terminate
 from controlplane.policies.disruption import DisruptionBudget
-from tests.unit.test_reconciler import row, run
+from tests.unit.test_reconciler import profile_row, row, run
 
 SPOT = {"small": 0.015, "large": 0.5}
 
@@ -329,3 +329,24 @@ def test_a_returning_stand_in_drains_not_ended_in_the_tick_it_drains() -> None:
     drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
     assert [a.instance_id for a in drained] == [stand_in.id], actions
     assert not [a for a in actions if isinstance(a, Terminate)], actions
+
+
+def test_a_profile_worker_is_not_the_replacement_that_serves() -> None:
+    # {small: 1} on spot, its only instance returning (a large stand-in, or its own on-demand
+    # one) beside a small spot replacement still booting, and a profile run's small worker
+    # next to the fleet: that worker serves no query, so the returning row serves on (else the
+    # stage was left with nothing serving until the replacement booted).
+    stand_in, own = row("large", age_s=900.0), row("small", age_s=900.0)
+    booting = dataclasses.replace(spot_row("small", age_s=30.0), state="pending")
+    worker = profile_row("small", age_s=20.0)
+    for returning, standing in ((stand_in, {stand_in.id: "small"}), (own, {})):
+        actions = run(
+            {"small": 1},
+            [returning, booting, worker],
+            desired_spot={"small": 1},
+            spot_prices_usd_per_hr=SPOT,
+            stand_ins=standing,
+            spot_fallen={"small"},
+            spot_returning={returning.id},
+        )
+        assert returning.id not in _gone(actions), actions
