@@ -2111,20 +2111,38 @@ def _move_back_to_spot(
     return [row for row in kept if row.id not in gone], going, disrupted
 
 
+def _launch_order(row: _Row) -> tuple[datetime, int, str, str]:
+    """The order rows were launched in: by creation, then by the number of the request id
+    (``<prefix>-<n>``: the launches of one tick share a creation time, and "-10" sorts before
+    "-9" as text)."""
+    number = re.search(r"-(\d+)$", row.record.request_id)
+    return (
+        row.record.created_at,
+        int(number.group(1)) if number else -1,
+        row.record.request_id,
+        row.id,
+    )
+
+
 def _stand_in_groups(rows: Iterable[_Row]) -> list[list[_Row]]:
     """The stand-ins of one type grouped as the instances of it they stand in for: one of at
-    least its capacity alone, k smaller ones (each 1/k) together, oldest first. A group short of
-    one whole (one of its k gone) is left out: it returns as nothing."""
+    least its capacity alone, k smaller ones (each 1/k) together, oldest first; only rows of
+    one share make a group (k of 1/k: what is left of a set never makes one with another k's).
+    A group short of one whole (one of its k gone) is left out: it returns as nothing."""
+    by_share: dict[float, list[_Row]] = defaultdict(list)
+    for row in rows:
+        by_share[round(row.share, 6)].append(row)
     groups: list[list[_Row]] = []
-    group: list[_Row] = []
-    units = 0.0
-    for row in sorted(rows, key=lambda r: (r.record.created_at, r.record.request_id, r.id)):
-        group.append(row)
-        units += row.share
-        if units >= 1.0 - _UNIT_SLACK:
-            groups.append(group)
-            group, units = [], 0.0
-    return groups
+    for share in sorted(by_share):
+        group: list[_Row] = []
+        units = 0.0
+        for row in sorted(by_share[share], key=_launch_order):
+            group.append(row)
+            units += row.share
+            if units >= 1.0 - _UNIT_SLACK:
+                groups.append(group)
+                group, units = [], 0.0
+    return sorted(groups, key=lambda g: _launch_order(g[0]))
 
 
 def _return_stand_ins(

@@ -8,7 +8,7 @@ import dataclasses
 from controlplane.db.store import InstanceRecord
 from controlplane.loops.reconciler import Action, Launch, Mark, SpotReturned, Terminate
 from controlplane.policies.disruption import DisruptionBudget
-from tests.unit.test_reconciler import profile_row, row, run
+from tests.unit.test_reconciler import PREFIX, profile_row, row, run
 
 SPOT = {"small": 0.015, "large": 0.5}
 
@@ -350,3 +350,70 @@ def test_a_profile_worker_is_not_the_replacement_that_serves() -> None:
             spot_returning={returning.id},
         )
         assert returning.id not in _gone(actions), actions
+
+
+def test_two_sets_of_smaller_stand_ins_launched_in_one_tick_go_back_as_their_sets() -> None:
+    # {large: 2} on spot, moved in one tick (one created_at) to two small ones (a half each,
+    # launches 9 and 10) and three small ones (a third each, 11 to 13). Grouped by the request
+    # id as text ("-10" before "-9"), 10, 11 and 12 went back as one (7/6 of a large one) and
+    # two large ones were launched for it; each set goes back as itself.
+    ids = (9, 10, 11, 12, 13)
+    stand_ins = [row("small", age_s=900.0, request_id=f"{PREFIX}-{n}") for n in ids]
+    shares = {r.id: 0.5 if n < 11 else 1 / 3 for r, n in zip(stand_ins, ids, strict=True)}
+    actions = run(
+        {"large": 2},
+        stand_ins,
+        budget=1.0,
+        desired_spot={"large": 2},
+        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
+        stand_ins={r.id: "large" for r in stand_ins},
+        stand_in_shares=shares,
+        spot_fallen={"large"},
+    )
+    returned = [set(a.instance_ids) for a in actions if isinstance(a, SpotReturned)]
+    assert returned == [{r.id for r in stand_ins[:2]}, {r.id for r in stand_ins[2:]}], actions
+    launched = [a for a in actions if isinstance(a, Launch)]
+    assert [(a.instance_type, a.market) for a in launched] == [("large", "spot")] * 2, actions
+
+
+def test_what_is_left_of_a_set_of_smaller_stand_ins_goes_back_with_none_of_another() -> None:
+    # {large: 2} on spot: of two small ones standing in for one (a half each) one is gone; three
+    # small ones (a third each) stand in for the other. The three go back as one; the half left
+    # is not made one with two of the thirds (7/6 of a large one).
+    half = row("small", age_s=900.0)
+    thirds = [row("small", age_s=800.0) for _ in range(3)]
+    actions = run(
+        {"large": 2},
+        [half, *thirds],
+        budget=1.0,
+        desired_spot={"large": 2},
+        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
+        stand_ins={r.id: "large" for r in (half, *thirds)},
+        stand_in_shares={half.id: 0.5} | {r.id: 1 / 3 for r in thirds},
+        spot_fallen={"large"},
+    )
+    returned = [set(a.instance_ids) for a in actions if isinstance(a, SpotReturned)]
+    assert returned == [{r.id for r in thirds}], actions
+
+
+def test_sets_of_smaller_stand_ins_launched_in_one_tick_pair_by_launch_number() -> None:
+    # {large: 2} on spot, moved in one tick (one created_at) to two pairs of small ones, a half
+    # each: launches 9 and 10 serve, 11 and 12 still boot. The pair that serves goes back (9
+    # and 10), not 10 and 11 ("-10" sorting before "-9" as text paired across the sets).
+    ids = (9, 10, 11, 12)
+    stand_ins = [
+        row("small", "running" if n < 11 else "pending", age_s=300.0, request_id=f"{PREFIX}-{n}")
+        for n in ids
+    ]
+    actions = run(
+        {"large": 2},
+        stand_ins,
+        budget=1.0,
+        desired_spot={"large": 2},
+        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
+        stand_ins={r.id: "large" for r in stand_ins},
+        stand_in_shares={r.id: 0.5 for r in stand_ins},
+        spot_fallen={"large"},
+    )
+    returned = [set(a.instance_ids) for a in actions if isinstance(a, SpotReturned)]
+    assert returned == [{r.id for r in stand_ins[:2]}], actions
