@@ -2896,6 +2896,8 @@ class Reconciler:
         with self._capacity_lock:
             for key in [k for k in self._capacity_missed_s if k[0] not in names]:
                 del self._capacity_missed_s[key]  # the app is gone
+        for key in [k for k in self._capacity_missed_last_s if k[0] not in names]:
+            del self._capacity_missed_last_s[key]
         for gone in [k for k in self._deferrals if k[0] not in names]:
             del self._deferrals[gone]
         by_app: dict[str, list[ProvisionedInstance]] = defaultdict(list)
@@ -2981,11 +2983,14 @@ class Reconciler:
             for (name, t), until in self._spot_on_demand_until_s.items()
             if name == app.name and until > now_s
         }
-        failing = {
-            t
-            for (name, t), at in self._capacity_missed_last_s.items()
-            if name == app.name and now_s - at < self.launch_backoff_s
-        }
+        # A miss older than the back-off says nothing more: forgotten.
+        for key in [
+            k
+            for k, at in self._capacity_missed_last_s.items()
+            if k[0] == app.name and now_s - at >= self.launch_backoff_s
+        ]:
+            del self._capacity_missed_last_s[key]
+        failing = {t for (name, t) in self._capacity_missed_last_s if name == app.name}
         teardown = teardown_requested(self.store, app)
         with self._capacity_lock:
             short = {t for (name, t) in self._capacity_missed_s if name == app.name}

@@ -18,6 +18,7 @@ from controlplane.apps import teardown
 from controlplane.clock import FakeClock
 from controlplane.db.store import Store
 from controlplane.loops.reconciler import (
+    DEFAULT_LAUNCH_BACKOFF_S,
     AppPricing,
     InterruptionHandled,
     Launch,
@@ -607,3 +608,17 @@ def test_stand_ins_for_a_capacity_miss_go_back_only_once_its_launches_stop_faili
     assert kept_types(short_of_small) == [(SMALL, "spot")] * 2
     moves = short_of_small.store.list_decisions(APP, kinds=["spot_return"])
     assert moves and all(d.numbers["stand_in"] for d in moves)
+
+
+def test_a_capacity_miss_is_forgotten_once_its_back_off_has_passed(
+    short_of_small: World,
+) -> None:
+    # The time of small's last capacity miss holds its stand-ins for a back-off; once that has
+    # passed without a miss it says nothing more, and is forgotten (kept, the entries of every
+    # type and app that ever missed capacity stayed for the process's life).
+    for _ in range(4):
+        short_of_small.tick()
+    assert (APP, SMALL) in short_of_small.reconciler._capacity_missed_last_s
+    short_of_small.fake.restore_capacity(SMALL)
+    short_of_small.tick(DEFAULT_LAUNCH_BACKOFF_S)
+    assert (APP, SMALL) not in short_of_small.reconciler._capacity_missed_last_s
