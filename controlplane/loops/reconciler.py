@@ -130,13 +130,15 @@ The rules (docs/provisioners.md, "Reconciler", says why):
     stage keeps another serving row of at least its capacity; within the disruption budget.
     Once their spot replacements serve, the returning rows drain (``spot_returning``); so do a
     rise's on-demand replacements (``spot_replacements``) that the spot rows still kept made
-    extra, but only once the fall has held. Any other row past the type's count (a plan cut)
-    is rule 5's. The type's stand-ins of another type (rule 11's, or a rise's cheaper choices;
-    k smaller ones for one together) go back too, once the fall has held and but for a type
-    whose launches missed capacity within the back-off (``spot_failing``): made before the
-    break only (the type launched on spot in the stand-in's slot where the budget pays for
-    both; the stand-in, returning, drains once the type's rows serve its count, within the same
-    disruption budget), else they stay.
+    extra, but only once the fall has held (a replacement counts so only beside spot rows of
+    its type older than it; where the price falls back before the hold, the rise's move
+    completes: its spot rows drain once the replacements serve). Any other row past the type's
+    count (a plan cut) is rule 5's. The type's stand-ins of another type (rule 11's, or a
+    rise's cheaper choices; k smaller ones for one together) go back too, once the fall has
+    held and but for a type whose launches missed capacity within the back-off
+    (``spot_failing``): made before the break only (the type launched on spot in the
+    stand-in's slot where the budget pays for both; the stand-in, returning, drains once the
+    type's rows serve its count, within the same disruption budget), else they stay.
 11. **Stand-ins** (docs/spot.md): for a type the applied plan buys on spot, ``ranking`` lists
     the types that may stand in for it (its stage's base types, the stage's other types, then
     for a plan of one stage the app's other types; each group by Q_t per dollar). When the
@@ -512,7 +514,9 @@ class SpotReturned:
     ``make_before_break`` (the spot one launched next to the one it replaces) or
     ``break_then_make`` (the on-demand one goes first: the budget has no room for both).
     ``instance_ids``: the rows that go (made before the break: the ones now returning, which
-    drain once their spot replacements serve)."""
+    drain once their spot replacements serve; broken first: the one terminated). ``stand_in``:
+    they are a stand-in of another type for one of ``instance_type`` (k smaller ones together),
+    ``count`` 1, made before the break only."""
 
     instance_type: str
     count: int
@@ -1936,8 +1940,9 @@ def _move_back_to_spot(
     taken only where they are the move's own: those an earlier tick took as returning
     (``ctx.returning``: they drain once the type's other rows serve its count) and a rise's
     on-demand replacements beside spot rows of their type older than them (``ctx.replacements``:
-    they serve on, not counted, and drain so only once the fall has held); any other (a plan
-    cut) is left to the scale-down. The kept rows,
+    they serve on, not counted, and drain so only once the fall has held; where the price fell
+    back below the rise's threshold before the hold, the rise's move completes instead,
+    :func:`_complete_the_rise`); any other (a plan cut) is left to the scale-down. The kept rows,
     the returning ones (paid for until they go), and how many serving rows it took out of
     service (drained, or ended before their replacement): disruptions the scale-down after it
     counts against the same budget."""
