@@ -111,10 +111,10 @@ def queries_per_call(policy: object, now_s: float, batch_cap: int) -> int:
     and the stage's capacity count an instance at this many, in the simulator and the live
     dispatcher alike. A policy that switches between others over time (the replay's fleet rule,
     a wrapper) answers with its own ``queries_per_call(now_s, batch_cap)`` method; any other by
-    its class's ``batches`` (:func:`per_call`: the cap for one that batches, 1 for one that runs
-    each query alone, as Kairos, Clockwork and DRS do; a class that does not say batches, as
-    FCFS does; also where its method raises: admission never fails on a policy's answer). The
-    answer is within [1, ``batch_cap``].
+    its class's ``batches`` (:func:`per_call`: the cap for one that batches, as FCFS does, and
+    for a class that does not say; 1 for one that runs each query alone, as Kairos, Clockwork
+    and DRS do), and so does one whose own method raises (admission never fails on a policy's
+    answer). The answer is within [1, ``batch_cap``].
 
     >>> from matching.fcfs import FcfsPolicy
     >>> from matching.kairos import KairosPolicy
