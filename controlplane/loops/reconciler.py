@@ -2885,6 +2885,9 @@ class Reconciler:
         """Reconcile every app once; a failure of one app is logged and the others go on."""
         now = self.clock.utcnow()
         self._passes += 1
+        # A deferral episode the last pass did not go on with is over: the next one begins anew.
+        for key in [k for k, (_, at) in self._deferrals.items() if at < self._passes - 1]:
+            del self._deferrals[key]
         self._log_events()
         self._poll_interruptions(now)
         apps = self.store.list_apps()
@@ -2978,16 +2981,12 @@ class Reconciler:
             for key in [k for k in self._capacity_missed_s if k[0] == app.name]:
                 if key[1] not in waiting:
                     del self._capacity_missed_s[key]
-        held = {
-            t
-            for (name, t), until in self._held_until_s.items()
-            if name == app.name and until > now_s
-        }
-        spot_on_demand = {
-            t
-            for (name, t), until in self._spot_on_demand_until_s.items()
-            if name == app.name and until > now_s
-        }
+        # A hold, or a turn on demand, whose time has passed says nothing more: forgotten.
+        for until_s in (self._held_until_s, self._spot_on_demand_until_s):
+            for key in [k for k, until in until_s.items() if k[0] == app.name and until <= now_s]:
+                del until_s[key]
+        held = {t for (name, t) in self._held_until_s if name == app.name}
+        spot_on_demand = {t for (name, t) in self._spot_on_demand_until_s if name == app.name}
         # A miss older than the back-off says nothing more: forgotten.
         for key in [
             k

@@ -622,3 +622,35 @@ def test_a_capacity_miss_is_forgotten_once_its_back_off_has_passed(
     short_of_small.fake.restore_capacity(SMALL)
     short_of_small.tick(DEFAULT_LAUNCH_BACKOFF_S)
     assert (APP, SMALL) not in short_of_small.reconciler._capacity_missed_last_s
+
+
+def test_a_hold_on_a_refused_type_is_forgotten_once_its_back_off_has_passed(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # A launch refused for good (a quota) holds its type for a back-off; past it the hold says
+    # nothing more, and is forgotten (kept, every type and app ever refused stayed for the
+    # process's life).
+    world = spot_world(template_db, tmp_path, budget=1.0)
+    try:
+        world.fake.set_quota(SMALL, 0)
+        apply_spot_plan(world.store, {SMALL: 2}, {SMALL: 2})
+        world.tick()
+        assert (APP, SMALL) in world.reconciler._held_until_s
+        world.fake.set_quota(SMALL, None)
+        world.tick(DEFAULT_LAUNCH_BACKOFF_S)
+        assert (APP, SMALL) not in world.reconciler._held_until_s
+    finally:
+        world.store.close()
+
+
+def test_a_drain_deferral_episode_is_forgotten_once_a_pass_goes_without_it(roomy: World) -> None:
+    # Deferrals in consecutive passes are one episode (one decision row); once a pass has gone
+    # without one, the next begins a new episode, and the last is forgotten (kept, each app and
+    # cause ever deferred stayed for the process's life).
+    roomy.serve({SMALL: 1})
+    reconciler = roomy.reconciler
+    reconciler._deferral_key(APP, "budget")  # deferred in this pass, as rule 5's carrying out
+    roomy.tick()
+    assert (APP, "budget") in reconciler._deferrals  # this pass could have gone on with it
+    roomy.tick()
+    assert (APP, "budget") not in reconciler._deferrals
