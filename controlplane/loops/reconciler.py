@@ -2828,10 +2828,10 @@ class Reconciler:
         self._silent: frozenset[str] = frozenset()
         # The last spot price read failure logged, and when (the same one once a minute).
         self._spot_read_warned: tuple[str, float] = ("", -math.inf)
-        # Rule 3's grace: row id -> when a tick first found the provider's list without its
-        # machine, for as long as the ticks since have (this process's ticks: a new leader
-        # starts the count again, which only waits longer).
-        self._missing_since: dict[str, datetime] = {}
+        # Rule 3's grace: app -> live row id -> when a tick first found the provider's list
+        # without its machine, for as long as the ticks since have (this process's ticks: a new
+        # leader starts the count again, which only waits longer).
+        self._missing_since: dict[str, dict[str, datetime]] = {}
         self.straggler_timeout_s = straggler_timeout_s
         self.missing_grace_s = missing_grace_s
         self.launch_backoff_s = launch_backoff_s
@@ -2891,6 +2891,8 @@ class Reconciler:
         self._log_events()
         self._poll_interruptions(now)
         apps = self.store.list_apps()
+        names = {app.name for app in apps}
+        self._forget_apps_gone(names)
         try:
             observed = self.provisioner.list({MANAGED_TAG: "true"})
         except ProvisionerError as error:
@@ -2900,14 +2902,6 @@ class Reconciler:
                 self._provider_unreachable(app.name, error)
             reports = {app.name: self._guarded(app, None) for app in apps}
             return ReconcileReport(now, MappingProxyType(reports), errors=(f"list: {error}",))
-        names = {app.name for app in apps}
-        with self._capacity_lock:
-            for key in [k for k in self._capacity_missed_s if k[0] not in names]:
-                del self._capacity_missed_s[key]  # the app is gone
-        for key in [k for k in self._capacity_missed_last_s if k[0] not in names]:
-            del self._capacity_missed_last_s[key]
-        for gone in [k for k in self._deferrals if k[0] not in names]:
-            del self._deferrals[gone]
         by_app: dict[str, list[ProvisionedInstance]] = defaultdict(list)
         unmanaged: list[str] = []
         strays: list[ProvisionedInstance] = []
@@ -2932,6 +2926,35 @@ class Reconciler:
             tuple(unmanaged),
             tuple(errors),
         )
+
+    def _forget_apps_gone(self, names: Collection[str]) -> None:
+        """Forget what this process remembers of the apps not in ``names`` (deleted): nothing of
+        an app outlives it (one made again under its name starts afresh, as after a restart)."""
+        with self._capacity_lock:
+            for key in [k for k in self._capacity_missed_s if k[0] not in names]:
+                del self._capacity_missed_s[key]
+        by_type: list[dict[tuple[str, str], Any]] = [
+            self._capacity_missed_last_s,
+            self._held_until_s,
+            self._spot_on_demand_until_s,
+            self._spot_low_since_s,
+            self._deferrals,
+        ]
+        by_app: list[dict[str, Any]] = [
+            self._spot_returning,
+            self._spot_replacements,
+            self._stand_ins,
+            self._stand_in_shares,
+            self._held_back,
+            self._missing_since,
+        ]
+        for keyed in by_type:
+            for key in [k for k in keyed if k[0] not in names]:
+                del keyed[key]
+        for memory in by_app:
+            for app in [a for a in memory if a not in names]:
+                del memory[app]
+        self._spot_read.intersection_update(names)
 
     def _guarded(self, app: AppRecord, observed: Sequence[ProvisionedInstance] | None) -> AppReport:
         try:
@@ -3302,17 +3325,21 @@ class Reconciler:
         live = {
             r.id: r for r in rows if r.provider_id is not None and r.state not in TERMINAL_STATES
         }
+        missing = self._missing_since.get(app, {})
         if observed is not None:
             listed = {i.provider_id for i in observed if i.tags.get(MANAGED_TAG) == "true"}
             for row_id, row in live.items():
                 if row.provider_id in listed:
-                    self._missing_since.pop(row_id, None)
+                    missing.pop(row_id, None)
                 else:
-                    self._missing_since.setdefault(row_id, now)
-            ended = {r.id for r in rows} - live.keys()  # their runs are over
-            for row_id in ended & self._missing_since.keys():
-                del self._missing_since[row_id]
-        return {k: v for k, v in self._missing_since.items() if k in live}
+                    missing.setdefault(row_id, now)
+        # Only the live rows' runs: an ended row's is over (and an ended row stays ended).
+        missing = {k: v for k, v in missing.items() if k in live}
+        if missing:
+            self._missing_since[app] = missing
+        else:
+            self._missing_since.pop(app, None)
+        return dict(missing)
 
     def _drain_causes(self, rows: Sequence[InstanceRecord]) -> dict[str, str]:
         """Why each draining row drains, where rule 5 drained it (``scale_down``): read from

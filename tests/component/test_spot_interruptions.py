@@ -654,3 +654,60 @@ def test_a_drain_deferral_episode_is_forgotten_once_a_pass_goes_without_it(roomy
     assert (APP, "budget") in reconciler._deferrals  # this pass could have gone on with it
     roomy.tick()
     assert (APP, "budget") not in reconciler._deferrals
+
+
+# What the reconciler remembers of an app between passes.
+_MEMORIES = (
+    "_spot_low_since_s",
+    "_spot_returning",
+    "_spot_replacements",
+    "_spot_read",
+    "_missing_since",
+    "_deferrals",
+    "_held_back",
+    "_held_until_s",
+    "_spot_on_demand_until_s",
+    "_capacity_missed_s",
+    "_capacity_missed_last_s",
+    "_stand_ins",
+    "_stand_in_shares",
+)
+
+
+def test_a_deleted_app_leaves_nothing_in_the_reconcilers_memories(
+    short_of_small: World,
+) -> None:
+    # Stand-ins for small (no capacity), its spot price low, one of them lost by the provider.
+    for _ in range(4):
+        short_of_small.tick()
+    short_of_small.fake.crash([short_of_small.rows("running")[0]])
+    short_of_small.tick(1.0)
+    reconciler = short_of_small.reconciler
+    row_ids = {r.id for r in short_of_small.store.list_instances(APP)}
+    # The memories these ticks leave empty, as the passes write them (a hold, a turn on demand,
+    # a type waiting for capacity, a move back, a replacement, a deferral, a sized stand-in).
+    now_s = short_of_small.clock.now_s()
+    reconciler._held_until_s[(APP, LARGE)] = now_s + DEFAULT_LAUNCH_BACKOFF_S
+    reconciler._spot_on_demand_until_s[(APP, SMALL)] = now_s + DEFAULT_LAUNCH_BACKOFF_S
+    reconciler._capacity_missed_s[(APP, SMALL)] = now_s
+    some_row = sorted(row_ids)[0]
+    reconciler._spot_returning[APP] = {some_row}
+    reconciler._spot_replacements[APP] = {some_row}
+    reconciler._deferrals[(APP, "budget")] = (short_of_small.clock.utcnow(), reconciler._passes)
+    reconciler._stand_in_shares[APP] = {some_row: 0.5}
+    for name in _MEMORIES:
+        assert getattr(reconciler, name), name
+
+    short_of_small.store.delete_app(APP, force=True)
+    short_of_small.clock.advance(1.0)
+    short_of_small.fake.step()
+    reconciler.run_once()
+
+    kept = {
+        name: [
+            k for k in memory if k == APP or k in row_ids or (isinstance(k, tuple) and k[0] == APP)
+        ]
+        for name, memory in vars(reconciler).items()
+        if isinstance(memory, dict | set | frozenset)
+    }
+    assert {name: keys for name, keys in kept.items() if keys} == {}
