@@ -265,19 +265,27 @@ def test_stand_ins_of_another_type_go_back_once_the_fall_holds() -> None:
             assert all(a.reason.startswith("spot_return:") for a in drained), actions
 
 
+def _small_for_large(
+    large: int, stand_ins: list[InstanceRecord], shares: dict[str, float], *, budget: float = 1.0
+) -> list[Action]:
+    """The reconciler's actions for a plan of ``large`` large on spot whose fall has held, served
+    by ``stand_ins`` of small (on demand) with their ``shares`` of a large one."""
+    return run(
+        {"large": large},
+        stand_ins,
+        budget=budget,
+        desired_spot={"large": large},
+        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
+        stand_ins={r.id: "large" for r in stand_ins},
+        stand_in_shares=shares,
+        spot_fallen={"large"},
+    )
+
+
 def test_k_smaller_stand_ins_for_one_go_back_together_as_one() -> None:
     # The plan {large: 1} on spot, served by four small ones on demand, a quarter each.
     stand_ins = _stand_ins("small", 4, age_s=900.0)
-    actions = run(
-        {"large": 1},
-        stand_ins,
-        budget=0.3,
-        desired_spot={"large": 1},
-        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
-        stand_ins={r.id: "large" for r in stand_ins},
-        stand_in_shares={r.id: 0.25 for r in stand_ins},
-        spot_fallen={"large"},
-    )
+    actions = _small_for_large(1, stand_ins, {r.id: 0.25 for r in stand_ins}, budget=0.3)
     returned = [a for a in actions if isinstance(a, SpotReturned)]
     assert [(a.count, set(a.instance_ids)) for a in returned] == [(1, {r.id for r in stand_ins})], (
         actions
@@ -360,16 +368,7 @@ def test_two_sets_of_smaller_stand_ins_launched_in_one_tick_go_back_as_their_set
     ids = (9, 10, 11, 12, 13)
     stand_ins = [row("small", age_s=900.0, request_id=f"{PREFIX}-{n}") for n in ids]
     shares = {r.id: 0.5 if n < 11 else 1 / 3 for r, n in zip(stand_ins, ids, strict=True)}
-    actions = run(
-        {"large": 2},
-        stand_ins,
-        budget=1.0,
-        desired_spot={"large": 2},
-        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
-        stand_ins={r.id: "large" for r in stand_ins},
-        stand_in_shares=shares,
-        spot_fallen={"large"},
-    )
+    actions = _small_for_large(2, stand_ins, shares)
     returned = [set(a.instance_ids) for a in actions if isinstance(a, SpotReturned)]
     assert returned == [{r.id for r in stand_ins[:2]}, {r.id for r in stand_ins[2:]}], actions
     launched = [a for a in actions if isinstance(a, Launch)]
@@ -382,16 +381,7 @@ def test_what_is_left_of_a_set_of_smaller_stand_ins_goes_back_with_none_of_anoth
     # is not made one with two of the thirds (7/6 of a large one).
     half = row("small", age_s=900.0)
     thirds = [row("small", age_s=800.0) for _ in range(3)]
-    actions = run(
-        {"large": 2},
-        [half, *thirds],
-        budget=1.0,
-        desired_spot={"large": 2},
-        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
-        stand_ins={r.id: "large" for r in (half, *thirds)},
-        stand_in_shares={half.id: 0.5} | {r.id: 1 / 3 for r in thirds},
-        spot_fallen={"large"},
-    )
+    actions = _small_for_large(2, [half, *thirds], {half.id: 0.5} | {r.id: 1 / 3 for r in thirds})
     returned = [set(a.instance_ids) for a in actions if isinstance(a, SpotReturned)]
     assert returned == [{r.id for r in thirds}], actions
 
@@ -405,15 +395,6 @@ def test_sets_of_smaller_stand_ins_launched_in_one_tick_pair_by_launch_number() 
         row("small", "running" if n < 11 else "pending", age_s=300.0, request_id=f"{PREFIX}-{n}")
         for n in ids
     ]
-    actions = run(
-        {"large": 2},
-        stand_ins,
-        budget=1.0,
-        desired_spot={"large": 2},
-        spot_prices_usd_per_hr={"small": 0.015, "large": 0.03},
-        stand_ins={r.id: "large" for r in stand_ins},
-        stand_in_shares={r.id: 0.5 for r in stand_ins},
-        spot_fallen={"large"},
-    )
+    actions = _small_for_large(2, stand_ins, {r.id: 0.5 for r in stand_ins})
     returned = [set(a.instance_ids) for a in actions if isinstance(a, SpotReturned)]
     assert returned == [{r.id for r in stand_ins[:2]}], actions
