@@ -1858,17 +1858,19 @@ def _move_before_break(
             continue
         # The oldest first (the first to have risen above their launch price), by id among equals.
         chosen = sorted(own, key=lambda r: (r.record.created_at, r.id))[:take]
-        serving = _serving_units(rows, instance_type, {row.id for row in chosen}, notices)
-        for row in chosen:
-            if row.state is _S.RUNNING and serving >= desired.get(instance_type, 0) - _UNIT_SLACK:
-                _mark(
-                    row,
-                    _S.DRAINING,
-                    f"moved off {instance_type}'s risen spot price"
-                    f" ({plain(price_now)} USD/hr, the fleet {rise.why}): {choice.describe()} serve"
-                    " in its place; no new queries",
-                    actions,
-                )
+        _drain_replaced(
+            chosen,
+            rows,
+            instance_type,
+            {row.id for row in chosen},
+            desired,
+            notices,
+            math.inf,
+            f"moved off {instance_type}'s risen spot price"
+            f" ({plain(price_now)} USD/hr, the fleet {rise.why}): {choice.describe()} serve"
+            " in its place; no new queries",
+            actions,
+        )
         going += chosen
     gone = {row.id for row in going}
     return [row for row in kept if row.id not in gone], going
@@ -1920,6 +1922,32 @@ def _serving_units(
         and row.id not in leaving
         and (row.provider_id or "") not in notices
     )
+
+
+def _drain_replaced(
+    to_drain: Sequence[_Row],
+    rows: Sequence[_Row],
+    instance_type: str,
+    leaving: Collection[str],
+    desired: Mapping[str, int],
+    notices: Mapping[str, datetime],
+    allowed: float,
+    reason: str,
+    actions: list[Action],
+) -> int:
+    """Rule 10's moves: drain the running rows of ``to_drain`` (with ``reason``) once the type's
+    other rows, those ``leaving`` (row ids) left out, serve its desired count
+    (:func:`_serving_units`), at most ``allowed`` of them (the disruption budget's); how many
+    drained. Until then they serve on."""
+    serving = _serving_units(rows, instance_type, leaving, notices)
+    if serving < desired.get(instance_type, 0) - _UNIT_SLACK:
+        return 0
+    drained = 0
+    for row in to_drain:
+        if row.state is _S.RUNNING and drained < allowed:
+            drained += 1
+            _mark(row, _S.DRAINING, reason, actions)
+    return drained
 
 
 def _move_back_to_spot(
@@ -2091,23 +2119,21 @@ def _move_back_to_spot(
                     tuple(row.id for row in chosen[replaced:]),
                 )
             )
-        serving = _serving_units(rows, instance_type, {row.id for row in chosen}, ctx.notices)
-        for row in chosen[:replaced]:  # the newly returning ones wait for their replacement
-            if (
-                row.state is _S.RUNNING
-                and serving >= ctx.desired.get(instance_type, 0) - _UNIT_SLACK
-                and allowed > 0
-            ):
-                allowed -= 1
-                disrupted += 1
-                _mark(
-                    row,
-                    _S.DRAINING,
-                    f"{SPOT_RETURN_DRAIN} back to {instance_type} on spot at"
-                    f" {plain(spot or 0.0)} USD/hr (on demand {plain(on_demand or 0.0)} USD/hr):"
-                    " its spot replacement serves; no new queries",
-                    actions,
-                )
+        drained = _drain_replaced(
+            chosen[:replaced],  # the newly returning ones wait for their replacement
+            rows,
+            instance_type,
+            {row.id for row in chosen},
+            ctx.desired,
+            ctx.notices,
+            allowed,
+            f"{SPOT_RETURN_DRAIN} back to {instance_type} on spot at"
+            f" {plain(spot or 0.0)} USD/hr (on demand {plain(on_demand or 0.0)} USD/hr):"
+            " its spot replacement serves; no new queries",
+            actions,
+        )
+        allowed -= drained
+        disrupted += drained
         going += chosen
     # What is left of the budget's room and of the disruption budget, for the stand-ins' return.
     ctx.room_usd_per_hr = room - _BUDGET_SLACK_USD_PER_HR
@@ -2302,23 +2328,19 @@ def _complete_the_rise(
         key=lambda r: (r.record.created_at, r.id),
     )
     chosen = own_spot[:count]
-    serving = _serving_units(rows, instance_type, {row.id for row in chosen}, ctx.notices)
-    drained = 0
-    for row in chosen:
-        if (
-            row.state is _S.RUNNING
-            and serving >= ctx.desired.get(instance_type, 0) - _UNIT_SLACK
-            and drained < allowed
-        ):
-            drained += 1
-            _mark(
-                row,
-                _S.DRAINING,
-                f"moved off {instance_type}'s risen spot price: the on-demand instances launched"
-                " for it serve in its place; back to spot only once its fall has held for the"
-                " hold; no new queries",
-                actions,
-            )
+    drained = _drain_replaced(
+        chosen,
+        rows,
+        instance_type,
+        {row.id for row in chosen},
+        ctx.desired,
+        ctx.notices,
+        allowed,
+        f"moved off {instance_type}'s risen spot price: the on-demand instances launched"
+        " for it serve in its place; back to spot only once its fall has held for the"
+        " hold; no new queries",
+        actions,
+    )
     gone = {row.id for row in chosen}
     return [row for row in kept if row.id not in gone], chosen, drained
 
