@@ -3043,6 +3043,7 @@ class Reconciler:
         teardown = teardown_requested(self.store, app)
         with self._capacity_lock:
             short = {t for (name, t) in self._capacity_missed_s if name == app.name}
+        returning, replacements = self._spot_kept(app.name, rows)
         actions = reconcile(
             desired,
             rows,
@@ -3082,8 +3083,8 @@ class Reconciler:
             drain_causes=self._drain_causes(rows),
             missing_since=self._note_missing(app.name, rows, observed, now),
             spot_fallen=fallen,
-            spot_returning=self._spot_kept(self._spot_returning, app.name, rows),
-            spot_replacements=self._spot_kept(self._spot_replacements, app.name, rows),
+            spot_returning=returning,
+            spot_replacements=replacements,
             spot_failing=failing,
         )
         for action in actions:
@@ -3242,11 +3243,13 @@ class Reconciler:
         return dict(self._stand_ins[app])
 
     def _spot_kept(
-        self, known: dict[str, set[str]], app: str, rows: Sequence[InstanceRecord]
-    ) -> frozenset[str]:
-        """The ids of ``known[app]`` (``_spot_returning`` or ``_spot_replacements``) whose rows
-        are live, the others forgotten; after a start, both read back from the decisions first
-        (the ``spot_return`` decisions' rows, the launches that replaced spot ones)."""
+        self, app: str, rows: Sequence[InstanceRecord]
+    ) -> tuple[frozenset[str], frozenset[str]]:
+        """Rule 10's memories of ``app`` whose rows are live (the others forgotten): the rows an
+        earlier move back took as returning (``_spot_returning``) and those a rise launched on
+        demand in place of spot ones (``_spot_replacements``); after a start, both read back
+        from the decisions first (the ``spot_return`` decisions' rows, the launches that
+        replaced spot ones)."""
         if app not in self._spot_read:
             # Marked read once read: a read that fails (a database hiccup) is tried again.
             decisions = self.store.list_decisions(app, kinds=["launch", "spot_return"])
@@ -3266,12 +3269,16 @@ class Reconciler:
                         if isinstance(instance_id, str) and launch.get("replaces_spot"):
                             self._spot_replacements.setdefault(app, set()).add(instance_id)
         live = {r.id for r in rows if r.state not in TERMINAL_STATES}
-        ids = known.get(app, set()) & live
-        if ids:
-            known[app] = ids
-        else:
-            known.pop(app, None)
-        return frozenset(ids)
+
+        def kept(known: dict[str, set[str]]) -> frozenset[str]:
+            ids = known.get(app, set()) & live
+            if ids:
+                known[app] = ids
+            else:
+                known.pop(app, None)
+            return frozenset(ids)
+
+        return kept(self._spot_returning), kept(self._spot_replacements)
 
     def _spot_fallen(
         self,
