@@ -37,7 +37,7 @@ def test_the_move_back_and_a_scale_down_share_one_disruption_budget() -> None:
         spot_fallen={"small"},
         disruption=DisruptionBudget(max_instances=1, max_share=0.0, window_s=60.0),
     )
-    drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+    drained = _drained(actions)
     ended = [a for a in actions if isinstance(a, Terminate)]
     assert len(drained) + sum(len(a.instance_ids) for a in ended) <= 1, actions
 
@@ -117,9 +117,14 @@ def test_a_plan_cut_beside_the_spot_share_drains_under_the_scale_down() -> None:
         desired_spot={"small": 2},
         spot_prices_usd_per_hr=SPOT,
     )
-    drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+    drained = _drained(actions)
     assert len(drained) == 1, actions
     assert drained[0].reason.startswith("scale_down"), drained[0].reason
+
+
+def _drained(actions: list[Action]) -> list[Mark]:
+    """The rows a tick marks draining."""
+    return [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
 
 
 def _gone(actions: list[Action]) -> set[str]:
@@ -161,7 +166,7 @@ def test_a_price_that_swings_back_keeps_the_rise_replacements_until_the_hold() -
         actions = after_the_rise(replacements)
         assert not _gone(actions) & ids, (state, actions)
         assert not [a for a in actions if isinstance(a, Launch)], (state, actions)
-        drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+        drained = _drained(actions)
         if state == "pending":
             assert not drained, actions  # the spot ones serve until the replacements do
         else:
@@ -193,7 +198,7 @@ def test_a_plan_cut_after_the_rise_is_given_back_drains_under_the_scale_down() -
             spot_replacements={r.id for r in replacements},
             spot_fallen=fallen,
         )
-        drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+        drained = _drained(actions)
         assert len(drained) == 1, (fallen, actions)
         assert drained[0].reason.startswith("scale_down"), (fallen, drained[0].reason)
 
@@ -257,7 +262,7 @@ def test_stand_ins_of_another_type_go_back_once_the_fall_holds() -> None:
         )
         assert not [a for a in actions if isinstance(a, Launch)], (state, actions)
         assert not _gone(actions) & {r.id for r in replacements}, (state, actions)
-        drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+        drained = _drained(actions)
         if state == "pending":
             assert not drained, actions  # the stand-ins serve until the spot ones do
         else:
@@ -334,7 +339,7 @@ def test_a_returning_stand_in_drains_not_ended_in_the_tick_it_drains() -> None:
         spot_fallen={"small"},
         spot_returning={stand_in.id},
     )
-    drained = [a for a in actions if isinstance(a, Mark) and a.to_state == "draining"]
+    drained = _drained(actions)
     assert [a.instance_id for a in drained] == [stand_in.id], actions
     assert not [a for a in actions if isinstance(a, Terminate)], actions
 
