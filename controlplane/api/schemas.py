@@ -725,6 +725,15 @@ class ServingStageOut(BaseModel):
         description="the load balancer's u: the busiest instance's busy share at the load in"
         " force (null outside a cascade's co-located placement)",
     )
+    reach: float | None = Field(
+        default=None,
+        description="the share of the app's samples that reach the model at the spec's"
+        " thresholds, as the answers of the last minute show, whatever gear is in force (null"
+        " for a cascade's first model or before answers)",
+    )
+    reach_samples: int = Field(
+        default=0, description="the samples of the spec's first model that reach rests on"
+    )
 
 
 class ServingLatencyOut(BaseModel):

@@ -53,7 +53,9 @@ builds the ladders again on the new profiles; the old ones size the stages until
 instances are no slower than they were planned for (else InferLine's model on the new rates does,
 at once). A cascade
 (several stages) keeps InferLine's model by default, the stage's load the app's times its
-``scale_factor``; with ``cascade_ladders`` it is sized by its stages' ladders
+``scale_factor``, or the reach at the spec's thresholds the serving loop measures where it
+differs from that beyond its noise (:func:`live_reach`, from ``statuses``); with
+``cascade_ladders`` it is sized by its stages' ladders
 (:func:`plan_ladders`: the replay's :func:`controlplane.policies.capacity_curve.cascade_sizing`,
 each rung a plan of the whole cascade), every stage reading the app's arrivals against the app's
 planned envelope, since its rungs are indexed by the app's load (its reach at the spec's
@@ -128,6 +130,7 @@ from controlplane.policies.tuner import (
     utilisation_target,
 )
 from controlplane.serving.config import ServingGear, batch_gear
+from controlplane.serving.dispatcher import AppStatus
 from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
@@ -143,6 +146,7 @@ __all__ = [
     "CurveBuilder",
     "LiveTuner",
     "ResolveFn",
+    "StatusSource",
     "Submit",
     "TunerModel",
     "plan_capacity_curve",
@@ -168,6 +172,9 @@ too), or a single stage's ladder (:func:`plan_ladder`), or only a single stage's
 points (f, m(f)) (:func:`plan_capacity_curve`: the planned types alone); raises when there is
 none to be had."""
 Submit = Callable[[Callable[[], None]], None]
+StatusSource = Callable[[], Sequence[AppStatus]]
+"""The serving loop's statuses as of its last refresh (``ServingLoop.statuses``): a cascade's
+later stages carry their reach at the spec's thresholds (:mod:`controlplane.serving.reach`)."""
 """Runs a piece of work off the tick (by default on a daemon thread; a test may run it at once,
 or later, or never)."""
 TunerModel = Literal["curve", "inferline"]
@@ -178,6 +185,13 @@ TunerModel = Literal["curve", "inferline"]
 # one plan may take): the build runs off the tick, so only the time the app spends on
 # InferLine's model grows with it.
 DEFAULT_CURVE_DEADLINE_S = 600.0
+# A cascade's later stage on InferLine's model is sized for the reach the serving loop measures
+# at the spec's thresholds (docs/tuner.md, "The reach, live") where it rests on at least
+# REACH_MIN_SAMPLES samples of the first model and lies more than REACH_NOISE_SD binomial standard
+# deviations from the plan's scale factor; else for the plan's.
+REACH_MIN_SAMPLES = 200
+REACH_NOISE_SD = 3.0
+MIN_REACH = 1e-6
 # How long close() waits for the curve builds it cancelled to stop.
 CLOSE_WAIT_S = 10.0
 
@@ -258,6 +272,7 @@ class LiveTuner:
         curve_deadline_s: float = DEFAULT_CURVE_DEADLINE_S,
         submit: Submit | None = None,
         cascade_ladders: bool = False,
+        statuses: StatusSource | None = None,
     ) -> None:
         if not (math.isfinite(max_window_s) and max_window_s > 0):
             raise ValueError(f"max_window_s must be finite and > 0, got {max_window_s!r}")
@@ -280,6 +295,7 @@ class LiveTuner:
         self._store = store
         self._clock = clock
         self._arrivals = arrivals
+        self._statuses = statuses
         self._resolve = resolve
         self._max_window_s = float(max_window_s)
         self._scale_down_delay_s = float(scale_down_delay_s)
@@ -468,7 +484,8 @@ class LiveTuner:
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         waiting = self._store.list_instances(app.name, states=_NOT_SERVING_YET)
         start = _still_booting(tuned.state, waiting, now_s)
-        decisions, state = tune(arrivals, now_s, start, tuned.stages, tuned.config)
+        stages, reaches = self._live_reach(app.name, tuned.stages)
+        decisions, state = tune(arrivals, now_s, start, stages, tuned.config)
         models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
         capped = tuned.capped
@@ -482,10 +499,11 @@ class LiveTuner:
                 capped = None
             recorded.append(d)
         for d in recorded:
+            reach = reaches.get(d.stage)
             self._store.record_decision(
                 app.name,
                 d.action,
-                d.reason,
+                d.reason if reach is None else f"{d.reason}; {_reach_words(reach)}",
                 {
                     "stage": d.stage,
                     "instance_type": d.instance_type,
@@ -496,6 +514,8 @@ class LiveTuner:
                     # Which load model sized the stage, and why not the load model if asked.
                     "model": models[d.stage],
                     "model_note": tuned.model_note if models[d.stage] == "inferline" else None,
+                    # The stage's share sized for where the live reach stood in for the plan's.
+                    **({"reach": reach} if reach is not None else {}),
                     # What a restarted tuner starts from (_reached_fleets): the fleet it had
                     # reached on this plan, not the plan's.
                     **(
@@ -520,6 +540,41 @@ class LiveTuner:
                 tuned.batch_gear = batch_gear(*next(iter(caps.items()))) if caps else None
             self._apps[app.name] = tuned
         return recorded
+
+    def _live_reach(
+        self, app: str, stages: Sequence[TunerStage]
+    ) -> tuple[list[TunerStage], dict[str, dict[str, float]]]:
+        """``stages`` with each later stage of a cascade on InferLine's model sized for the reach
+        the serving loop measured at the spec's thresholds (:func:`live_reach`), and, by stage,
+        the reach used where it stood in for the plan's (observed, planned, samples)."""
+        if len(stages) < 2 or self._statuses is None:
+            return list(stages), {}
+        try:
+            found = [s for s in self._statuses() if s.app == app]
+        except Exception as error:  # the plan's shares size the stages meanwhile
+            logger.warning("tuner: %s: the serving loop's status: %s", app, first_line(error))
+            return list(stages), {}
+        if not found:
+            return list(stages), {}
+        by_model = {entry.model: entry for entry in found[0].stages}
+        out, used = [stages[0]], {}
+        for stage in stages[1:]:
+            status = by_model.get(stage.name)
+            share = (
+                None
+                if status is None or stage.ladder is not None or stage.capacity_curve is not None
+                else live_reach(stage.scale_factor, status.reach, status.reach_samples)
+            )
+            if share is None:
+                out.append(stage)
+                continue
+            used[stage.name] = {
+                "observed": share,
+                "planned": stage.scale_factor,
+                "samples": float(status.reach_samples) if status is not None else 0.0,
+            }
+            out.append(dataclasses.replace(stage, scale_factor=share))
+        return out, used
 
     def batch_caps(self) -> dict[str, dict[str, int]]:
         """App -> {model: batch cap} for every single-stage app sized by its ladder: the batch
@@ -858,6 +913,35 @@ class LiveTuner:
         """Drop ``app``'s cached curves but ``keep`` (call with the lock held)."""
         for key in [k for k in self._curves if k[0] == app and k != keep]:
             del self._curves[key]
+
+
+def live_reach(planned: float, observed: float | None, samples: int) -> float | None:
+    """The share of the app's queries to size a cascade's later stage for: ``observed`` (the
+    reach at the spec's thresholds the serving loop measured on ``samples`` of the first model's
+    samples) where it rests on :data:`REACH_MIN_SAMPLES` and lies more than
+    :data:`REACH_NOISE_SD` binomial standard deviations from ``planned`` (the plan's scale
+    factor); None (the plan's) otherwise.
+
+    >>> live_reach(0.3, 0.6, 1000), live_reach(0.3, 0.32, 1000), live_reach(0.3, 0.6, 50)
+    (0.6, None, None)
+    """
+    if observed is None or samples < REACH_MIN_SAMPLES or not math.isfinite(observed):
+        return None
+    p = min(max(planned, 0.0), 1.0)
+    noise = REACH_NOISE_SD * math.sqrt(p * (1.0 - p) / samples)
+    if abs(observed - planned) <= noise:
+        return None
+    # A stage nothing reaches keeps a scale factor above 0 (a stage's is > 0): its fleet
+    # falls to its minimum all the same.
+    return min(max(observed, MIN_REACH), 1.0)
+
+
+def _reach_words(reach: Mapping[str, float]) -> str:
+    return (
+        f"s is the reach at the spec's thresholds the last minute's answers show"
+        f" ({reach['observed']:.3g} of {reach['samples']:.0f} samples; planned"
+        f" {reach['planned']:.3g})"
+    )
 
 
 def plan_ladder(app: ResolvedApp, plan: PlanRecord) -> SizingLadder:

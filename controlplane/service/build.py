@@ -361,6 +361,7 @@ def build_live_tuner(
         max_window_s=settings.tuner_max_window_s,
         scale_down_delay_s=settings.tuner_scale_down_delay_s,
         cascade_ladders=settings.tuner_cascade_ladders,
+        statuses=serving.statuses,
     )
 
 

@@ -117,6 +117,7 @@ from controlplane.serving.health import Health, WorkerLoss
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import Observations, Outcome, Split, outcome_of
 from controlplane.serving.placement import Placement, policy_name
+from controlplane.serving.reach import ReachMeter
 from controlplane.serving.stages import ServingStage, Slot
 from controlplane.serving.states import ModelState, Overload, StateTracker, model_state
 from controlplane.serving.transport import WorkerTransport
@@ -216,6 +217,11 @@ class StageStatus:
     shares: Mapping[str, float] = field(default_factory=dict)
     lp_utilisation: float | None = None
     overload: Overload | None = None
+    # The share of the app's samples that reach this model at the spec's thresholds, as the
+    # answers of the last minute show (controlplane.serving.reach), and the samples of the
+    # spec's first model it rests on; None for the first model or without answers.
+    reach: float | None = None
+    reach_samples: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +404,7 @@ class AppDispatcher:
         self.config = config
         self.gear_label = config.cascade.label  # the gear in force at the last arrival
         self._last_gear: ServingGear | None = None
+        self.reach = ReachMeter(config.cascade.models, config.cascade.thresholds)
         self.reconfigure(config)
 
     # --- configuration and fleet ----------------------------------------------------------------
@@ -411,6 +418,12 @@ class AppDispatcher:
         longer serves are dropped, and their queued queries answered with an error."""
         self.config = config
         self._own_gear = ServingGear(config.cascade)
+        cascade = config.cascade
+        if (self.reach.models, tuple(self.reach.thresholds.values())) != (
+            cascade.models,
+            tuple(cascade.thresholds),
+        ):  # other thresholds: the counts so far say nothing of the new ones
+            self.reach = ReachMeter(cascade.models, cascade.thresholds)
         self.variants = AppVariants(config, self._stages, self.tracker)
         self.health.app = config.name
         for model in [m for m in self._stages if m not in config.models]:
@@ -940,6 +953,8 @@ class AppDispatcher:
                 self._interfered.discard(key)
         predictions, certainty = reply.predictions, reply.certainty
         model = stage.model
+        # The reach at the spec's thresholds is counted whatever gear sent the samples.
+        spec_threshold = self.reach.threshold(model)
         offset = 0
         for part in parts:
             request = part.request
@@ -953,8 +968,12 @@ class AppDispatcher:
             last = part.position + 1 >= len(cascade.models)
             threshold = math.inf if last else cascade.thresholds[part.position]
             forward = []
+            seen = below = 0
             for i in samples:
                 confidence = certainty[offset]
+                if spec_threshold is not None:
+                    seen += 1
+                    below += not confidence >= spec_threshold
                 if last or confidence >= threshold:
                     request.outputs[i] = predictions[offset]
                     request.certainty[i] = confidence
@@ -964,6 +983,8 @@ class AppDispatcher:
                 else:
                     forward.append(i)
                 offset += 1
+            if seen:
+                self.reach.add(model, now, seen, below)
             if forward:
                 if self._forward_unserved(request, part.position + 1):
                     continue
@@ -1225,6 +1246,7 @@ class AppDispatcher:
         now = self.clock_s()
         gear = self.current_gear()
         stages = []
+        reach = self.reach.reach(now)
         for model in self.config.models:
             stage = self._stages[model]
             cap = batch_cap(self.config, model, gear)
@@ -1258,6 +1280,8 @@ class AppDispatcher:
                     shares=dict(stage.shares),
                     lp_utilisation=stage.lp_utilisation,
                     overload=overload,
+                    reach=reach[model][0] if model in reach else None,
+                    reach_samples=reach[model][1] if model in reach else 0,
                 )
             )
         workers = tuple(

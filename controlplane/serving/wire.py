@@ -32,12 +32,14 @@ def status_to_json(status: AppStatus) -> dict[str, Any]:
 def status_from_json(found: dict[str, Any]) -> AppStatus:
     """The :class:`AppStatus` that :func:`status_to_json` wrote."""
     stages = []
+    # A field a newer serving process sends that this release does not know is left out.
+    known = {f.name for f in dataclasses.fields(StageStatus)}
     for stage in found["stages"]:
         overload = stage.get("overload")
         stages.append(
             StageStatus(
                 **{
-                    **stage,
+                    **{k: v for k, v in stage.items() if k in known},
                     "states": {k: cast(ModelState, v) for k, v in stage["states"].items()},
                     "overload": Overload(**overload) if overload is not None else None,
                 }

@@ -879,3 +879,114 @@ def test_a_single_stage_batches_as_its_ready_fleets_rung_says(store: Store, tmp_
     tuner.tick()
     assert tuner.batch_caps() == {APP: {"tiny": 1}}  # ready: the 2x rung's batch of one
     assert tuner.gear("another") is None
+
+
+def cascade_app(store: Store, folder: Path) -> None:
+    """A two-model cascade planned at 50 qps on two small instances a stage, ``large`` reached
+    by half the queries (its plan's scale factor)."""
+    profiles = {
+        "format": "heteroplane.profiles/v1",
+        "profiles": [
+            {"model": m, "instance_type": SMALL, "batch_sizes": [1], "latency_ms": [[20.0]]}
+            for m in ("tiny", "large")
+        ],
+    }
+    (folder / "profiles.json").write_text(json.dumps(profiles))
+    store.create_app(
+        {
+            "name": APP,
+            "models": [
+                {"name": m, "profiles": str(folder / "profiles.json")} for m in ("tiny", "large")
+            ],
+            "cascade": ["tiny", "large"],
+            "slo": {"latency_ms": 100},
+            "budget_usd_per_hr": 10.0,
+            "instance_types": [SMALL],
+        },
+        who="test",
+    )
+    document = plan_document(2, 50.0)
+    (first,) = document["stages"]
+    document["stages"] = [first, {**first, "name": "large", "scale_factor": 0.5}]
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+
+
+def reach_status(reach: float | None, samples: int) -> Any:
+    """The serving loop's status of the cascade app: ``large`` reached by ``reach`` of the
+    samples at the spec's thresholds, measured on ``samples``."""
+    from controlplane.serving.dispatcher import AppStatus, StageStatus
+
+    def stage(model: str, share: float | None) -> StageStatus:
+        return StageStatus(model, 0, 0, 0, 100.0, "fcfs", 1, {}, reach=share, reach_samples=samples)
+
+    return AppStatus(
+        APP, "tiny@0.5 -> large", 100.0, (), (stage("tiny", None), stage("large", reach)), 0
+    )
+
+
+def large_after_a_step(store: Store, folder: Path, statuses: Any) -> Any:
+    """The scale-up the tuner (InferLine's model) decides for ``large`` at 256 qps."""
+    cascade_app(store, folder)
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    tuner = LiveTuner(store, clock, feed, resolve, model="inferline", statuses=statuses)
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    tuner.tick()
+    (up,) = [d for d in decisions_of(store, "scale_up") if d.numbers["stage"] == "large"]
+    return up
+
+
+def test_a_cascades_later_stage_is_sized_for_the_reach_the_serving_loop_measures(
+    tmp_path: Path,
+) -> None:
+    """Live inputs that the first model is less sure of than the plan's records forward twice
+    the plan's share: the stage is sized for the reach measured at the spec's thresholds (which
+    the gear in force does not change), and the decision says so."""
+    fleets = []
+    for name, statuses in (
+        ("planned", None),
+        ("measured", lambda: [reach_status(1.0, 5000)]),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        url = f"sqlite:///{folder / 'hp.db'}"
+        migrate.upgrade(url)
+        store = Store.from_url(url, FakeClock())
+        try:
+            up = large_after_a_step(store, folder, statuses)
+        finally:
+            store.close()
+        fleets.append(sum(up.numbers["fleets_after"]["large"].values()))
+        if name == "measured":
+            assert up.numbers["reach"] == {"observed": 1.0, "planned": 0.5, "samples": 5000.0}
+            assert "reach at the spec's thresholds" in up.reason
+        else:
+            assert "reach" not in up.numbers
+    planned, measured = fleets
+    # k = ceil(r s / (mu rho)): twice the share, about twice the instances.
+    assert measured >= 2 * planned - 1
+    assert measured > planned
+
+
+@pytest.mark.parametrize(
+    ("reach", "samples"),
+    [(0.52, 5000), (1.0, 50), (None, 5000)],
+    ids=["within-noise", "too-few-samples", "no-answers-yet"],
+)
+def test_a_reach_within_noise_or_on_too_few_samples_keeps_the_plans_share(
+    store: Store, tmp_path: Path, reach: float | None, samples: int
+) -> None:
+    up = large_after_a_step(store, tmp_path, lambda: [reach_status(reach, samples)])
+    assert "reach" not in up.numbers
+    assert "reach at the spec's thresholds" not in up.reason
+
+
+def test_a_status_that_cannot_be_read_keeps_the_plans_share(
+    store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> list[Any]:
+        raise RuntimeError("the feed is down")
+
+    with caplog.at_level(logging.WARNING):
+        up = large_after_a_step(store, tmp_path, broken)
+    assert "reach" not in up.numbers
+    assert "the feed is down" in caplog.text

@@ -176,10 +176,16 @@ def test_a_status_crosses_the_wire_whole() -> None:
         {"i-1": 1.0},
         0.4,
         Overload(12.0, 100.0, 2, 40.0, 50.0, 5.0),
+        reach=0.35,
+        reach_samples=812,
     )
     worker = WorkerStatus("i-1", "emu.cpu.large", "127.0.0.1:9", True, False, "", 0.25)
     status = AppStatus("toy", "tiny>large", 100.0, (worker,), (stage,), 4)
     assert status_from_json(json.loads(json.dumps(status_to_json(status)))) == status
+    # A field a newer serving process adds is left out, not a TypeError every exchange.
+    sent = status_to_json(status)
+    sent["stages"][0]["a_later_field"] = 1
+    assert status_from_json(sent) == status
 
 
 def test_the_gear_the_loops_send_with_the_feed_is_the_one_the_serving_loop_serves(

@@ -226,6 +226,37 @@ def test_the_gear_hook_changes_the_cascade_of_new_queries() -> None:
     run(scenario())
 
 
+def test_the_status_gives_a_later_models_reach_at_the_specs_thresholds_whatever_the_gear() -> None:
+    """Under a gear whose threshold answers every sample at the first model, the status still
+    says which share the spec's threshold would forward: what the tuner sizes the stage for."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE])
+        gear: list[ServingGear | None] = [None]
+        dispatcher = AppDispatcher(
+            config(thresholds=(0.5,)), HttpWorkerTransport(), Observations(), gear=lambda: gear[0]
+        )
+        dispatcher.set_workers(endpoints(workers))
+        assert [s.reach for s in dispatcher.status().stages] == [None, None]  # no answers yet
+        gear[0] = ServingGear(Cascade(("tiny", "large"), (0.1,)))
+        unsure, sure = row(2, 0.25), row(5, 0.75)
+        result = await dispatcher.submit([unsure, unsure, unsure, sure])
+        assert result.models == ("tiny",) * 4  # the gear forwarded none of them
+        gear[0] = None  # the spec's own gear: 0.25 goes on to large
+        result = await dispatcher.submit([unsure, sure, sure, sure])
+        assert result.models == ("large", "tiny", "tiny", "tiny")
+        first, second = dispatcher.status().stages
+        assert (first.model, first.reach) == ("tiny", None)
+        assert second.model == "large"
+        assert second.reach == pytest.approx(4 / 8)  # 3 + 1 of 8 under 0.5 at tiny
+        assert second.reach_samples == 8
+        dispatcher.reconfigure(config(thresholds=(0.3,)))  # other thresholds: counted afresh
+        assert dispatcher.status().stages[1].reach is None
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_the_plan_batches_queued_queries_together() -> None:
     async def scenario() -> None:
         # One slow worker: while it serves one batch, the others queue and go together.

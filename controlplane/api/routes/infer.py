@@ -265,6 +265,8 @@ async def serving_status(app: AppName, services: ServicesDep, _who: Viewer) -> S
                 states=dict(s.states),
                 shares=dict(s.shares),
                 lp_utilisation=s.lp_utilisation,
+                reach=s.reach,
+                reach_samples=s.reach_samples,
             )
             for s in status.stages
         ],
