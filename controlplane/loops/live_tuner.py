@@ -573,7 +573,9 @@ class LiveTuner:
                 "planned": stage.scale_factor,
                 "samples": float(status.reach_samples) if status is not None else 0.0,
             }
-            out.append(dataclasses.replace(stage, scale_factor=share))
+            out.append(
+                dataclasses.replace(stage, scale_factor=share, planned_share=stage.scale_factor)
+            )
         return out, used
 
     def batch_caps(self) -> dict[str, dict[str, int]]:

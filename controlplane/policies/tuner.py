@@ -249,6 +249,12 @@ class TunerStage:
     # The planner's most queries per batch at the ladder's loads, (f, batch) (empty: not
     # recorded): a rung may batch more to serve its load on fewer instances (:meth:`batch_at`).
     rung_batches: tuple[tuple[float, int], ...] = ()
+    # The plan's scale factor where ``scale_factor`` is a live reach standing in for it (the
+    # live tuner's, docs/tuner.md, "The reach, live"; None: ``scale_factor`` is the plan's).
+    # InferLine's model then reads the stage's load, the app's times ``scale_factor``, against
+    # its planned one, the planned envelope times this: a reach above the plan's is more load
+    # than planned at the app's planned load.
+    planned_share: float | None = None
     _targets: dict[tuple[object, ...], Mapping[str, int] | None] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -312,6 +318,8 @@ class TunerStage:
                     f"stage {self.name}: rung batches need a load of the ladder and a batch >= 1"
                 )
             object.__setattr__(self, "rung_batches", batches)
+        if self.planned_share is not None:
+            _finite(f"stage {self.name}: planned_share", self.planned_share, strict=True)
         if self.burstiness and self.cv2 is None:
             raise WorkloadError(f"stage {self.name}: sizings by burstiness need the planned cv2")
         if self.cv2 is not None:
@@ -1812,7 +1820,10 @@ def tune(
 
     * scale up when some r_i exceeds the planning envelope's rate at window i, to
       r_max s_m / rho_m of capacity (k_m = ceil(r_max s_m / (mu_m rho_m)) for one type), or, for a
-      stage below its planned capacity, to min(planned capacity, r s_m / rho_m) with r = max_i r_i;
+      stage below its planned capacity, to min(planned capacity, r s_m / rho_m) with r = max_i r_i
+      (a stage whose s_m is a live reach standing in for the plan's, ``planned_share``, reads the
+      planning envelope times ``planned_share / s_m``: the app's load at which the stage carries
+      its planned load);
     * else, no sooner than ``scale_down_delay_s`` after the last change, scale down to
       r s_m / rho_m, keeping ``min_instances``.
 
@@ -1959,11 +1970,16 @@ def tune(
                     )
                 _scale_up_ladder(tick, plan, target, text)
             continue
-        up = reading_up(config.planned_rate_qps)
         if plan.capacity_curve is not None:
+            up = reading_up(config.planned_rate_qps)
             target = plan.capacity_for_loads_qps(up.f_live, up.f_sustained)
             _scale_up_to_load(tick, plan, capacity, target, up.exceed_why, up.load_why)
             continue
+        if plan.planned_share is None:
+            up = reading_up(config.planned_rate_qps)
+        else:  # the app's load against the envelope at which the stage carries its planned load
+            ratio = plan.planned_share / s
+            up = reading_up(tuple(rate * ratio for rate in config.planned_rate_qps))
         need_exceed = up.r_max * s / rho
         need_restore = 0.0
         if capacity < plan.planned_capacity_qps:

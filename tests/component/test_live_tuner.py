@@ -990,3 +990,28 @@ def test_a_status_that_cannot_be_read_keeps_the_plans_share(
         up = large_after_a_step(store, tmp_path, broken)
     assert "reach" not in up.numbers
     assert "the feed is down" in caplog.text
+
+
+def test_a_reach_above_the_plans_grows_the_stage_at_the_planned_load(
+    store: Store, tmp_path: Path
+) -> None:
+    """The app's load at its plan, the stage's twice its plan's (the live inputs forward all
+    of them where the plan said half): the stage's load exceeds what it was planned for, and
+    InferLine's model grows it, as it does for a step in the app's load. It read the app's
+    load against the app's planned envelope alone, and never grew the stage at the planned
+    load however many more samples reached it."""
+    cascade_app(store, tmp_path)
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    statuses = [reach_status(1.0, 5000)]
+    tuner = LiveTuner(store, clock, feed, resolve, model="inferline", statuses=lambda: statuses)
+    feed.arrival_s = steady(50.0, 940.0, 1000.0)  # the planned rate
+    tuner.tick()
+    (up,) = [d for d in decisions_of(store, "scale_up") if d.numbers["stage"] == "large"]
+    assert up.numbers["reach"]["observed"] == 1.0
+    assert sum(up.numbers["fleets_after"]["large"].values()) > 2
+    assert not [d for d in decisions_of(store, "scale_up") if d.numbers["stage"] == "tiny"]
+    # The plan's share at the planned load: nothing to do.
+    statuses[:] = [reach_status(None, 0)]
+    clock.advance(1.0)
+    feed.arrival_s = steady(50.0, 941.0, 1001.0)
+    assert tuner.tick() == []
