@@ -188,9 +188,12 @@ DEFAULT_CURVE_DEADLINE_S = 600.0
 # A cascade's later stage on InferLine's model is sized for the reach the serving loop measures
 # at the spec's thresholds (docs/tuner.md, "The reach, live") where it rests on at least
 # REACH_MIN_SAMPLES samples of the first model and lies more than REACH_NOISE_SD binomial standard
-# deviations from the plan's scale factor; else for the plan's.
+# deviations from the plan's scale factor, and while it stays more than REACH_HOLD_SD from it
+# once it has (a reading about the band's edge moved the need by three sd at every crossing);
+# else for the plan's.
 REACH_MIN_SAMPLES = 200
 REACH_NOISE_SD = 3.0
+REACH_HOLD_SD = 1.0
 MIN_REACH = 1e-6
 # How long close() waits for the curve builds it cancelled to stop.
 CLOSE_WAIT_S = 10.0
@@ -226,6 +229,8 @@ class _AppTuner:
     # serving loop's gear (None: the plan's batch), made anew only when the cap changes (the
     # dispatcher notices a new gear by its identity).
     batch_gear: ServingGear | None = None
+    # The later stages sized for the live reach at the last tick (:func:`live_reach`'s ``held``).
+    reach_held: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -478,13 +483,14 @@ class LiveTuner:
                         for new, old in zip(fresh.stages, tuned.stages, strict=True)
                     ]
                     fresh.state, fresh.capped = tuned.state, tuned.capped
+                    fresh.reach_held = tuned.reach_held
                     tuned = fresh
         if self._model == "curve":
             self._load_model(app, tuned, now_s)
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         waiting = self._store.list_instances(app.name, states=_NOT_SERVING_YET)
         start = _still_booting(tuned.state, waiting, now_s)
-        stages, reaches = self._live_reach(app.name, tuned.stages)
+        stages, reaches = self._live_reach(app.name, tuned.stages, tuned.reach_held)
         decisions, state = tune(arrivals, now_s, start, stages, tuned.config)
         models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
@@ -535,6 +541,7 @@ class LiveTuner:
             tuned.state = state
             tuned.capped = capped
             tuned.capped_now = any(d.action == "budget_capped" for d in decisions)
+            tuned.reach_held = frozenset(reaches)
             held = tuned.batch_gear.max_batch_queries if tuned.batch_gear is not None else {}
             if caps != held:
                 tuned.batch_gear = batch_gear(*next(iter(caps.items()))) if caps else None
@@ -542,11 +549,12 @@ class LiveTuner:
         return recorded
 
     def _live_reach(
-        self, app: str, stages: Sequence[TunerStage]
+        self, app: str, stages: Sequence[TunerStage], held: Collection[str] = ()
     ) -> tuple[list[TunerStage], dict[str, dict[str, float]]]:
         """``stages`` with each later stage of a cascade on InferLine's model sized for the reach
-        the serving loop measured at the spec's thresholds (:func:`live_reach`), and, by stage,
-        the reach used where it stood in for the plan's (observed, planned, samples)."""
+        the serving loop measured at the spec's thresholds (:func:`live_reach`; ``held``: the
+        stages it sized so at the last tick), and, by stage, the reach used where it stood in
+        for the plan's (observed, planned, samples)."""
         if len(stages) < 2 or self._statuses is None:
             return list(stages), {}
         try:
@@ -563,7 +571,12 @@ class LiveTuner:
             share = (
                 None
                 if status is None or stage.ladder is not None or stage.capacity_curve is not None
-                else live_reach(stage.scale_factor, status.reach, status.reach_samples)
+                else live_reach(
+                    stage.scale_factor,
+                    status.reach,
+                    status.reach_samples,
+                    held=stage.name in held,
+                )
             )
             if share is None:
                 out.append(stage)
@@ -917,20 +930,27 @@ class LiveTuner:
             del self._curves[key]
 
 
-def live_reach(planned: float, observed: float | None, samples: int) -> float | None:
+def live_reach(
+    planned: float, observed: float | None, samples: int, *, held: bool = False
+) -> float | None:
     """The share of the app's queries to size a cascade's later stage for: ``observed`` (the
     reach at the spec's thresholds the serving loop measured on ``samples`` of the first model's
     samples) where it rests on :data:`REACH_MIN_SAMPLES` and lies more than
     :data:`REACH_NOISE_SD` binomial standard deviations from ``planned`` (the plan's scale
-    factor); None (the plan's) otherwise.
+    factor), or more than :data:`REACH_HOLD_SD` where it was ``held`` (used at the last tick:
+    a reading about the band's edge stays where it is rather than move the need by the band's
+    width at each crossing); None (the plan's) otherwise.
 
     >>> live_reach(0.3, 0.6, 1000), live_reach(0.3, 0.32, 1000), live_reach(0.3, 0.6, 50)
     (0.6, None, None)
+    >>> live_reach(0.3, 0.33, 1000), live_reach(0.3, 0.33, 1000, held=True)
+    (None, 0.33)
     """
     if observed is None or samples < REACH_MIN_SAMPLES or not math.isfinite(observed):
         return None
     p = min(max(planned, 0.0), 1.0)
-    noise = REACH_NOISE_SD * math.sqrt(p * (1.0 - p) / samples)
+    band = REACH_HOLD_SD if held else REACH_NOISE_SD
+    noise = band * math.sqrt(p * (1.0 - p) / samples)
     if abs(observed - planned) <= noise:
         return None
     # A stage nothing reaches keeps a scale factor above 0 (a stage's is > 0): its fleet

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -1015,3 +1016,33 @@ def test_a_reach_above_the_plans_grows_the_stage_at_the_planned_load(
     clock.advance(1.0)
     feed.arrival_s = steady(50.0, 941.0, 1001.0)
     assert tuner.tick() == []
+
+
+def test_a_reach_on_the_edge_of_its_noise_band_does_not_flap_the_stage(
+    store: Store, tmp_path: Path
+) -> None:
+    """A reading just past three sd, then just within, tick after tick (its own noise about
+    the band's edge): the stage is sized for the reading while it stays near it, not moved
+    between the plan's share and the reading (a jump of three sd) at every crossing. The
+    tuner launched an instance and stopped it again every scale-down delay."""
+    cascade_app(store, tmp_path)
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    sd, ticks = math.sqrt(0.25 / 200), [0]
+
+    def statuses() -> list[Any]:
+        return [reach_status(0.5 + (2.9 if ticks[0] % 2 else 3.1) * sd, 200)]
+
+    tuner = LiveTuner(store, clock, feed, resolve, model="inferline", statuses=statuses)
+    for _ in range(300):
+        feed.arrival_s = steady(120.0, clock.now_s() - 60.0, clock.now_s())
+        tuner.tick()
+        ticks[0] += 1
+        clock.advance(1.0)
+    changes = [
+        d
+        for kind in ("scale_up", "scale_down")
+        for d in decisions_of(store, kind)
+        if d.numbers["stage"] == "large" and d.numbers["at_s"] >= 1060.0
+    ]
+    assert changes == []  # after the first minute's sizing, nothing moves
+    assert tuner.desired_fleet(store.get_app(APP))[SMALL] >= 4
