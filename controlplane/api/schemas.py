@@ -732,7 +732,9 @@ class ServingStageOut(BaseModel):
         " for a cascade's first model or before answers)",
     )
     reach_samples: int = Field(
-        default=0, description="the samples of the spec's first model that reach rests on"
+        default=0,
+        description="the samples of the spec's first model that reach rests on (fewer than it"
+        " answered where a model between answered fewer than the spec's thresholds send it)",
     )
 
 

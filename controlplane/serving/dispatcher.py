@@ -219,7 +219,8 @@ class StageStatus:
     overload: Overload | None = None
     # The share of the app's samples that reach this model at the spec's thresholds, as the
     # answers of the last minute show (controlplane.serving.reach), and the samples of the
-    # spec's first model it rests on; None for the first model or without answers.
+    # spec's first model it rests on (fewer where a model between answered fewer than the
+    # spec's thresholds send it); None for the first model or without answers.
     reach: float | None = None
     reach_samples: int = 0
 

@@ -12,7 +12,11 @@ certainty, so the meter counts, per model, the samples it answered and those of 
 spec's threshold for it, whatever the gear that sent them; the reach of the spec's k-th model is
 the product of the shares below along the models before it. For a two-model cascade that is
 exact: the first model sees every sample. Further down, a model sees only what the gear in
-force forwarded to it, so the product takes its share below as that of the samples it saw.
+force forwarded to it, so the product takes its share below as that of the samples it saw,
+and the reach rests on as many of the first model's samples as those stand for at the spec's
+thresholds (its count over its own reach, where fewer than the first model's): under the
+spec's gear all of the first model's, under a gear that forwards less only a part (four
+samples of the second model are not a third model's reach on thousands).
 
 Counts are kept in buckets of ``window_s / buckets`` over the last ``window_s`` (memory bounded
 by the buckets, not the rate).
@@ -95,9 +99,10 @@ class ReachMeter:
             counts.popleft()
 
     def reach(self, now_s: float) -> dict[str, tuple[float, int]]:
-        """Model -> (its reach at the spec's thresholds, the samples the first model answered
-        that it rests on), for the models after the first whose every model before answered
-        something in the window."""
+        """Model -> (its reach at the spec's thresholds, the samples of the first model that it
+        rests on: the first model's count, or fewer where a model between answered fewer than
+        the spec's thresholds send it, each standing for its count over its reach), for the
+        models after the first whose every model before answered something in the window."""
         out: dict[str, tuple[float, int]] = {}
         share, base = 1.0, 0
         for position, model in enumerate(self.models[:-1]):
@@ -108,6 +113,8 @@ class ReachMeter:
                 break
             if position == 0:
                 base = seen
+            elif share > 0.0:
+                base = min(base, round(seen / share))
             share *= sum(b.below for b in counts) / seen
             out[self.models[position + 1]] = (share, base)
         return out

@@ -15,7 +15,8 @@ def test_a_later_models_reach_is_the_product_of_the_shares_below_before_it() -> 
     meter.add("c", 10.0, seen=30, below=30)  # the last model has no threshold: not counted
     reach = meter.reach(11.0)
     assert reach["b"] == (pytest.approx(0.25), 200)
-    assert reach["c"] == (pytest.approx(0.25 * 0.75), 200)
+    # b saw 40 of the 50 that a's share sends it: they stand for 160 of a's samples.
+    assert reach["c"] == (pytest.approx(0.25 * 0.75), 160)
     assert "a" not in reach
     assert meter.threshold("c") is None and meter.threshold("a") == 0.5
 
@@ -57,3 +58,21 @@ def test_a_meter_refuses_a_shape_it_cannot_count(
 ) -> None:
     with pytest.raises(ValueError):
         ReachMeter(models, thresholds, window_s=window_s, buckets=buckets)
+
+
+def test_a_third_models_reach_rests_on_no_more_samples_than_the_second_model_saw() -> None:
+    """Under a gear that forwards few samples to the second model, the third's reach rests on
+    those few: its samples are the first model's that the second model's count stands for at
+    the spec's thresholds, not the first model's whole count (four samples of ``b`` read as
+    5,000, and the tuner sized ``c`` for a reach of 0.5 as if it were certain)."""
+    meter = ReachMeter(("a", "b", "c"), (0.5, 0.8))
+    meter.add("a", 10.0, seen=5000, below=2500)
+    meter.add("b", 10.0, seen=4, below=4)
+    reach = meter.reach(11.0)
+    assert reach["b"] == (pytest.approx(0.5), 5000)
+    assert reach["c"] == (pytest.approx(0.5), 8)  # 4 samples of b: 8 of a at a share of 0.5
+    # Under the spec's gear b sees what a's threshold forwards: c rests on all of a's.
+    meter = ReachMeter(("a", "b", "c"), (0.5, 0.8))
+    meter.add("a", 10.0, seen=5000, below=1234)
+    meter.add("b", 10.0, seen=1234, below=617)
+    assert meter.reach(11.0)["c"] == (pytest.approx(1234 / 5000 * 0.5), 5000)
