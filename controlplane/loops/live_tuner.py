@@ -172,11 +172,11 @@ too), or a single stage's ladder (:func:`plan_ladder`), or only a single stage's
 points (f, m(f)) (:func:`plan_capacity_curve`: the planned types alone); raises when there is
 none to be had."""
 Submit = Callable[[Callable[[], None]], None]
+"""Runs a piece of work off the tick (by default on a daemon thread; a test may run it at once,
+or later, or never)."""
 StatusSource = Callable[[], Sequence[AppStatus]]
 """The serving loop's statuses as of its last refresh (``ServingLoop.statuses``): a cascade's
 later stages carry their reach at the spec's thresholds (:mod:`controlplane.serving.reach`)."""
-"""Runs a piece of work off the tick (by default on a daemon thread; a test may run it at once,
-or later, or never)."""
 TunerModel = Literal["curve", "inferline"]
 
 # The sizing ladder is twelve plans for the planned burstiness and eight for each other one
