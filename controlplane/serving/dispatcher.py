@@ -292,6 +292,7 @@ class _Request:
         "outputs",
         "pending",
         "queued",
+        "reached",
         "replies",
         "sample_ids",
         "service_ms",
@@ -324,6 +325,10 @@ class _Request:
         self.queued: dict[int, _Stage] = {}  # query id -> the stage whose queue holds it
         self.deadline_s = math.inf  # when its client stops waiting, if it said
         self.bound_ms: float | None = None  # a model-less query's own latency bound
+        # Per sample, the position in the spec's cascade it reaches at the spec's thresholds as
+        # far as the answers so far show (-1: answered before it) (None: no spec model counted
+        # one yet): a later model's reach counts only the samples the spec's thresholds send it.
+        self.reached: list[int] | None = None
 
 
 class _Part:
@@ -954,8 +959,10 @@ class AppDispatcher:
                 self._interfered.discard(key)
         predictions, certainty = reply.predictions, reply.certainty
         model = stage.model
-        # The reach at the spec's thresholds is counted whatever gear sent the samples.
-        spec_threshold = self.reach.threshold(model)
+        # The reach at the spec's thresholds is counted whatever gear sent the samples: at the
+        # spec's k-th model, the samples the spec's thresholds send it (request.reached).
+        spec = self.reach.spec(model)
+        position, spec_threshold = spec if spec is not None else (-2, math.inf)
         offset = 0
         for part in parts:
             request = part.request
@@ -970,11 +977,18 @@ class AppDispatcher:
             threshold = math.inf if last else cascade.thresholds[part.position]
             forward = []
             seen = below = 0
+            reached = request.reached if spec is not None else None
+            if reached is None and position == 0:
+                reached = request.reached = [0] * len(request.outputs)
             for i in samples:
                 confidence = certainty[offset]
-                if spec_threshold is not None:
+                if reached is not None and reached[i] == position:
                     seen += 1
-                    below += not confidence >= spec_threshold
+                    if confidence >= spec_threshold:
+                        reached[i] = -1
+                    else:
+                        below += 1
+                        reached[i] = position + 1
                 if last or confidence >= threshold:
                     request.outputs[i] = predictions[offset]
                     request.certainty[i] = confidence

@@ -8,15 +8,19 @@ The tuner sizes a stage for the spec's thresholds whatever gear is in force (the
 cheaper gears are what serves while the fleet is short; a fleet sized for the gear in force
 would keep the app in it), so what it needs is the reach *at the spec's thresholds* on the live
 inputs. Every answer of a model that is not the last of the spec's cascade carries its
-certainty, so the meter counts, per model, the samples it answered and those of them below the
-spec's threshold for it, whatever the gear that sent them; the reach of the spec's k-th model is
-the product of the shares below along the models before it. For a two-model cascade that is
-exact: the first model sees every sample. Further down, a model sees only what the gear in
-force forwarded to it, so the product takes its share below as that of the samples it saw,
-and the reach rests on as many of the first model's samples as those stand for at the spec's
-thresholds (its count over its own reach, where fewer than the first model's): under the
-spec's gear all of the first model's, under a gear that forwards less only a part (four
-samples of the second model are not a third model's reach on thousands).
+certainty, so the meter counts, per model, the samples it answered that the spec's thresholds
+send it (the dispatcher follows each sample's answers: every model before it answered it below
+its spec threshold) and those of them below the spec's threshold for it, whatever the gear that
+sent them; the reach of the spec's k-th model is the product of the shares below along the
+models before it. For a two-model cascade that is exact: the first model sees every sample.
+Further down, a model sees only what the gear in force forwarded to it: under a gear that
+forwards at least what the spec's thresholds do the count is still exact (what the spec's
+thresholds would not send it is left out); under one that forwards less (a lower threshold, a
+model skipped) it counts only a part, the hardest samples where a lower threshold stopped the
+others, and reads its share below on them. The reach then rests on as many of the first model's
+samples as those stand for at the spec's thresholds (its count over its own reach, where fewer
+than the first model's): four samples of the second model are not a third model's reach on
+thousands.
 
 Counts are kept in buckets of ``window_s / buckets`` over the last ``window_s`` (memory bounded
 by the buckets, not the rate).
@@ -70,6 +74,7 @@ class ReachMeter:
             raise ValueError(f"window_s must be > 0 and buckets >= 1, got {window_s}, {buckets}")
         self.models = tuple(models)
         self.thresholds = dict(zip(models, thresholds, strict=False))
+        self._positions = {m: i for i, m in enumerate(self.thresholds)}
         self.window_s = window_s
         self._bucket_s = window_s / buckets
         self._counts: dict[str, deque[_Bucket]] = {m: deque() for m in self.thresholds}
@@ -78,6 +83,12 @@ class ReachMeter:
         """The spec's threshold for ``model``; None for the last model or one not in the spec's
         cascade (nothing of its answers is counted)."""
         return self.thresholds.get(model)
+
+    def spec(self, model: str) -> tuple[int, float] | None:
+        """``model``'s position in the spec's cascade and its threshold there; None for the
+        last model or one not in the spec's cascade (as :meth:`threshold`)."""
+        position = self._positions.get(model)
+        return None if position is None else (position, self.thresholds[model])
 
     def add(self, model: str, now_s: float, seen: int, below: int) -> None:
         """``model`` answered ``seen`` samples at ``now_s``, ``below`` of them under its spec

@@ -257,6 +257,41 @@ def test_the_status_gives_a_later_models_reach_at_the_specs_thresholds_whatever_
     run(scenario())
 
 
+def test_a_third_models_reach_counts_only_what_the_specs_thresholds_send_the_second() -> None:
+    """Under a gear whose first threshold forwards more than the spec's (and one that skips
+    the first model), the second model answers samples the spec's first threshold would have
+    answered: its share below is counted over those the spec's thresholds send it alone, and
+    the third model's reach is the spec's. Counted over every sample it answered, the easy
+    ones diluted its share and the third model read half its reach."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE])
+        models = ("tiny", "medium", "large")
+        gear: list[ServingGear | None] = [ServingGear(Cascade(models, (0.9, 0.3)))]
+        dispatcher = AppDispatcher(
+            config(models=models, thresholds=(0.5, 0.3)),
+            HttpWorkerTransport(),
+            Observations(),
+            gear=lambda: gear[0],
+        )
+        dispatcher.set_workers(endpoints(workers))
+        easy, hard = row(1, 0.7), row(2, 0.2)
+        # 0.7 goes on to medium under the gear's 0.9 (not under the spec's 0.5), and stops there.
+        result = await dispatcher.submit([easy, easy, hard, hard])
+        assert result.models == ("medium", "medium", "large", "large")
+        gear[0] = ServingGear(Cascade(("medium", "large"), (0.3,)))  # tiny skipped
+        result = await dispatcher.submit([easy, easy])
+        assert result.models == ("medium", "medium")
+        stages = {s.model: s for s in dispatcher.status().stages}
+        assert (stages["medium"].reach, stages["medium"].reach_samples) == (0.5, 4)
+        # At the spec's thresholds the two hard samples, and they alone, reach large.
+        assert stages["large"].reach == pytest.approx(0.5)
+        assert stages["large"].reach_samples == 4
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_the_plan_batches_queued_queries_together() -> None:
     async def scenario() -> None:
         # One slow worker: while it serves one batch, the others queue and go together.
