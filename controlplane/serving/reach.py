@@ -17,10 +17,10 @@ Further down, a model sees only what the gear in force forwarded to it: under a 
 forwards at least what the spec's thresholds do the count is still exact (what the spec's
 thresholds would not send it is left out); under one that forwards less (a lower threshold, a
 model skipped) it counts only a part, the hardest samples where a lower threshold stopped the
-others, and reads its share below on them. The reach then rests on as many of the first model's
-samples as those stand for at the spec's thresholds (its count over its own reach, where fewer
-than the first model's): four samples of the second model are not a third model's reach on
-thousands.
+others, and would read its share below on them: where it answered under
+:data:`FORWARDED_SHARE_KEPT` of what the spec's thresholds send it, the models after it get no
+reach. Otherwise the reach rests on as many of the first model's samples as its count stands for
+at the spec's thresholds (its count over its own reach, where fewer than the first model's).
 
 Counts are kept in buckets of ``window_s / buckets`` over the last ``window_s`` (memory bounded
 by the buckets, not the rate).
@@ -42,6 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 DEFAULT_WINDOW_S = 60.0
+# A model after the first that answered fewer than this share of the samples the spec's
+# thresholds send it (the first model's count times its reach) was sent less by the gear in
+# force: the reach of the models after it is not read (a few percent go missing without such a
+# gear: parts refused or still in flight at the window's edges).
+FORWARDED_SHARE_KEPT = 0.8
 DEFAULT_BUCKETS = 12
 
 
@@ -125,6 +130,11 @@ class ReachMeter:
             if position == 0:
                 base = seen
             elif share > 0.0:
+                if seen < FORWARDED_SHARE_KEPT * base * share:
+                    # A gear that forwards less than the spec's thresholds is in force: the
+                    # samples this model saw are the hardest of those they send it, and its
+                    # share below, read on them, would size what follows too large.
+                    break
                 base = min(base, round(seen / share))
             share *= sum(b.below for b in counts) / seen
             out[self.models[position + 1]] = (share, base)

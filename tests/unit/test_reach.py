@@ -67,12 +67,24 @@ def test_a_third_models_reach_rests_on_no_more_samples_than_the_second_model_saw
     5,000, and the tuner sized ``c`` for a reach of 0.5 as if it were certain)."""
     meter = ReachMeter(("a", "b", "c"), (0.5, 0.8))
     meter.add("a", 10.0, seen=5000, below=2500)
-    meter.add("b", 10.0, seen=4, below=4)
+    meter.add("b", 10.0, seen=2100, below=1050)
     reach = meter.reach(11.0)
     assert reach["b"] == (pytest.approx(0.5), 5000)
-    assert reach["c"] == (pytest.approx(0.5), 8)  # 4 samples of b: 8 of a at a share of 0.5
+    assert reach["c"] == (pytest.approx(0.25), 4200)  # 2,100 of b: 4,200 of a at a share of 0.5
     # Under the spec's gear b sees what a's threshold forwards: c rests on all of a's.
     meter = ReachMeter(("a", "b", "c"), (0.5, 0.8))
     meter.add("a", 10.0, seen=5000, below=1234)
     meter.add("b", 10.0, seen=1234, below=617)
     assert meter.reach(11.0)["c"] == (pytest.approx(1234 / 5000 * 0.5), 5000)
+
+
+def test_a_gear_that_sends_the_second_model_less_than_the_spec_leaves_the_third_unread() -> None:
+    """Four samples of ``b`` where the spec's thresholds send it 2,500: a gear that forwards
+    less is in force, ``b`` saw only the hardest samples, and its share below them would size
+    ``c`` too large; ``c``'s reach is not read (the plan's share sizes it)."""
+    meter = ReachMeter(("a", "b", "c"), (0.5, 0.8))
+    meter.add("a", 10.0, seen=5000, below=2500)
+    meter.add("b", 10.0, seen=4, below=4)
+    reach = meter.reach(11.0)
+    assert reach["b"] == (pytest.approx(0.5), 5000)
+    assert "c" not in reach
