@@ -798,31 +798,7 @@ def test_the_plans_capacity_curve_is_the_planners_on_its_planning_trace(
 
 
 def test_a_cascade_keeps_inferlines_model_on_every_stage(store: Store, tmp_path: Path) -> None:
-    profiles = {
-        "format": "heteroplane.profiles/v1",
-        "profiles": [
-            {"model": m, "instance_type": SMALL, "batch_sizes": [1], "latency_ms": [[20.0]]}
-            for m in ("tiny", "large")
-        ],
-    }
-    (tmp_path / "profiles.json").write_text(json.dumps(profiles))
-    store.create_app(
-        {
-            "name": APP,
-            "models": [
-                {"name": m, "profiles": str(tmp_path / "profiles.json")} for m in ("tiny", "large")
-            ],
-            "cascade": ["tiny", "large"],
-            "slo": {"latency_ms": 100},
-            "budget_usd_per_hr": 1.0,
-            "instance_types": [SMALL],
-        },
-        who="test",
-    )
-    document = plan_document(2, 50.0)
-    (first,) = document["stages"]
-    document["stages"] = [first, {**first, "name": "large", "scale_factor": 0.5}]
-    store.apply_plan(APP, store.create_plan(APP, document).id)
+    cascade_app(store, tmp_path, budget=1.0)
     clock, feed, worker = FakeClock(start_s=1000.0), Feed(), Worker()
     tuner = LiveTuner(store, clock, feed, resolve, submit=worker)
     feed.arrival_s = steady(256.0, 940.0, 1000.0)
@@ -882,9 +858,9 @@ def test_a_single_stage_batches_as_its_ready_fleets_rung_says(store: Store, tmp_
     assert tuner.gear("another") is None
 
 
-def cascade_app(store: Store, folder: Path) -> None:
+def cascade_app(store: Store, folder: Path, budget: float = 10.0) -> None:
     """A two-model cascade planned at 50 qps on two small instances a stage, ``large`` reached
-    by half the queries (its plan's scale factor)."""
+    by half the queries (its plan's scale factor), at ``budget`` USD/hr."""
     profiles = {
         "format": "heteroplane.profiles/v1",
         "profiles": [
@@ -901,7 +877,7 @@ def cascade_app(store: Store, folder: Path) -> None:
             ],
             "cascade": ["tiny", "large"],
             "slo": {"latency_ms": 100},
-            "budget_usd_per_hr": 10.0,
+            "budget_usd_per_hr": budget,
             "instance_types": [SMALL],
         },
         who="test",
