@@ -96,6 +96,20 @@ def profile_file(folder: Path, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Path:
     return path
 
 
+def app_spec(data_dir: Path) -> dict[str, Any]:
+    """The app of the model on one worker, its profiles written to the service's data directory
+    ``data_dir`` (:func:`profile_file`): the API refuses a spec naming a file elsewhere."""
+    profiles = profile_file(data_dir)
+    return {
+        "name": APP,
+        "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
+        "slo": {"latency_ms": 200, "percentile": 99},
+        "budget_usd_per_hr": 0.2,
+        "instance_types": [INSTANCE_TYPE],
+        "max_counts": {INSTANCE_TYPE: 1},
+    }
+
+
 def poison_sender(
     url: str, token: str, every_s: float, stop: threading.Event, statuses: Counter[str]
 ) -> None:
@@ -119,7 +133,6 @@ def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[s
     data_dir.mkdir()
     try:
         model = export_model(root)
-        profiles = profile_file(root)
         token = local_service.issue_token(data_dir, "bad-queries")
         port = local_service.free_port()
         base = f"http://127.0.0.1:{port}"
@@ -136,15 +149,7 @@ def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[s
                 env=env,
                 capture_output=True,
             )
-            spec = {
-                "name": APP,
-                "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
-                "slo": {"latency_ms": 200, "percentile": 99},
-                "budget_usd_per_hr": 0.2,
-                "instance_types": [INSTANCE_TYPE],
-                "max_counts": {INSTANCE_TYPE: 1},
-            }
-            api.post("/v1/apps", json=spec).raise_for_status()
+            api.post("/v1/apps", json=app_spec(data_dir)).raise_for_status()
             preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate_qps})
             preview.raise_for_status()
             plan = preview.json()
