@@ -115,7 +115,7 @@ from provisioners.worker.oip import (
     split_infer_body,
     with_binary_inputs,
 )
-from provisioners.worker.runtime import DEVICES, ModelRuntime, first_line
+from provisioners.worker.runtime import DEVICES, ModelRuntime, first_line, torchscript_error
 
 __all__ = [
     "DEFAULT_MODELS",
@@ -166,6 +166,7 @@ class RequestError(Exception):
 # onnxruntime its own InvalidArgument).
 _INPUT_ERRORS = (IndexError, ValueError, TypeError, KeyError)
 _INPUT_ERROR_NAMES = frozenset({"InvalidArgument", "InvalidGraph"})
+_INPUT_ERROR_TYPE_NAMES = frozenset(error.__name__ for error in _INPUT_ERRORS)
 _INPUT_WORDS = re.compile(
     r"out of (\w+ )?(range|bounds)|invalid argument|shape|dimension|dtype|size mismatch|"
     r"must match the size|expected .*type",
@@ -174,9 +175,18 @@ _INPUT_WORDS = re.compile(
 
 
 def input_at_fault(error: BaseException) -> bool:
-    """Whether a model's exception says its inputs are at fault (see :data:`_INPUT_WORDS`)."""
+    """Whether a model's exception says its inputs are at fault (see :data:`_INPUT_WORDS`). A
+    TorchScript model's error is judged by the error its traceback ends with (a ``raise
+    ValueError(...)`` in the model's code is one of :data:`_INPUT_ERRORS`), not by the model's
+    code the rest of its text quotes (a ``x.shape`` there is no shape error)."""
     if isinstance(error, _INPUT_ERRORS) or type(error).__name__ in _INPUT_ERROR_NAMES:
         return True
+    reason = torchscript_error(error)
+    if reason is not None:
+        name = reason.partition(":")[0].strip()
+        if name in _INPUT_ERROR_TYPE_NAMES or name in _INPUT_ERROR_NAMES:
+            return True
+        return _INPUT_WORDS.search(reason) is not None
     return _INPUT_WORDS.search(str(error)) is not None
 
 

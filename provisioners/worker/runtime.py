@@ -65,6 +65,7 @@ __all__ = [
     "family_runtime",
     "first_line",
     "load_runtime",
+    "torchscript_error",
     "torchscript_reason",
 ]
 
@@ -227,12 +228,17 @@ def first_line(error: BaseException) -> str:
     text = str(error).strip()
     if not text:
         return type(error).__name__
-    lines = text.splitlines()
-    if lines[0].strip() == _TORCHSCRIPT_FAILED:
-        reason = torchscript_reason(lines)
-        if reason:
-            return reason
-    return lines[0]
+    return torchscript_error(error) or text.splitlines()[0]
+
+
+def torchscript_error(error: BaseException) -> str | None:
+    """A TorchScript interpreter's error as the one line its traceback ends with (its type and
+    message: :func:`torchscript_reason`); None for any other error. The rest of such an error's
+    text is the model's own code, which says nothing of what went wrong."""
+    lines = str(error).strip().splitlines()
+    if not lines or lines[0].strip() != _TORCHSCRIPT_FAILED:
+        return None
+    return torchscript_reason(lines)
 
 
 def torchscript_reason(lines: Sequence[str]) -> str | None:

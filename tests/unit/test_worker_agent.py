@@ -619,6 +619,43 @@ def test_input_at_fault_reads_the_models_error(error: Exception, at_fault: bool)
     assert input_at_fault(error) is at_fault
 
 
+def _torchscript_error(raises: str) -> Exception:
+    """The error a scripted TorchScript model raises: ``raises`` is ``value`` (a ``raise
+    ValueError`` in the model's code) or ``internal`` (a ``RuntimeError`` whose code beside it
+    reads ``x.shape``)."""
+    torch = pytest.importorskip("torch")
+
+    class RaisesValueError(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if bool((x < 100.0).all()):
+                raise ValueError("a value under 100")
+            return x
+
+    class FailsInside(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 0:
+                raise RuntimeError("internal failure")
+            return x
+
+    model = torch.jit.script(RaisesValueError() if raises == "value" else FailsInside())
+    try:
+        model(torch.zeros((1, 4)))
+    except Exception as error:
+        return error
+    raise AssertionError("the model did not raise")
+
+
+@pytest.mark.parametrize(("raises", "at_fault"), [("value", True), ("internal", False)])
+def test_input_at_fault_reads_a_torchscript_error_by_the_error_it_ends_with(
+    raises: str, at_fault: bool
+) -> None:
+    # A TorchScript error's text quotes the model's code: a `raise ValueError` there is the
+    # inputs' fault (as in Python), and a `x.shape` in the code beside a RuntimeError is no
+    # shape error (the words were read in the code).
+    error = _torchscript_error(raises)
+    assert input_at_fault(error) is at_fault
+
+
 def test_stats_count_requests_rows_and_latency_per_model() -> None:
     times = FakeTime(compute_ms=2.0)
     worker = ready_agent(times, Emulation("emu.cpu.small", 0.5), speed_factor=0.5)
