@@ -208,7 +208,8 @@ class ServingStage:
         healthy instance is free (its call's predicted end), then the queued parts, each size
         at the stage's capacity for it (infinite with no healthy instance); and at least the
         queued samples at the rate the queue was measured to drain (:class:`DrainMeter`),
-        where that is known and slower."""
+        where that is known and slower; where nothing drained in the whole window, the wait
+        the instances and the queue give plus that window."""
         free_s = math.inf
         for slot in self.slots:
             worker = slot.worker
@@ -220,7 +221,14 @@ class ServingStage:
         drained = self.drain.rate_sps(now_s)
         if drained is None or self.queued_samples <= 0:
             return wait
-        return max(wait, 1000.0 * self.queued_samples / drained if drained > 0 else math.inf)
+        if drained <= 0:
+            # Nothing answered for a whole window while queries waited: the stage stalls (a
+            # batch far slower than its profile, a worker hung short of its call's timeout) for
+            # how long nobody knows, the window at least. It was an infinite wait, refused as
+            # full queues with "retry after 60 s": a stall of a second or two sent the clients
+            # that honour Retry-After away for a minute.
+            return wait + 1000.0 * self.drain.window_s
+        return max(wait, 1000.0 * self.queued_samples / drained)
 
     def capacity_sps(self, samples: int, cap: int) -> float:
         """Samples per second the stage's healthy instances serve at batches of ``cap`` queries

@@ -187,6 +187,32 @@ def test_admission_judges_the_queue_at_the_rate_it_drains_not_only_the_profiles(
     run(scenario())
 
 
+def test_a_stalled_queue_refuses_with_a_retry_soon_not_as_full_queues() -> None:
+    """The worker holds a batch while a query waits, and nothing is answered for a whole drain
+    window (a batch far slower than its profile): the next query is refused, for a retry a
+    second later and with the wait it would meet, not as queues full to their cap with "retry
+    after 60 s" (the drain rate of 0 was an infinite wait). Once answers come, it is served."""
+    now = [1000.0]
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(lambda: now[0], 200.0, admission=True)
+        queued = dispatcher.submit([row(2, 0.9)])  # admitted: the profile's wait is short
+        now[0] += DRAIN_WINDOW_S + 0.01  # nothing answered for a whole window
+        with pytest.raises(OverloadedError) as refused:
+            dispatcher.submit([row(3, 0.9)])
+        assert refused.value.retry_after_s == 1
+        assert refused.value.predicted_ms < float("inf")
+        assert "as many samples as they may" not in str(refused.value)
+        worker.release()
+        results = await settle([first, queued])
+        assert all(isinstance(result, InferResult) for result in results)
+        assert isinstance(await dispatcher.submit([row(4, 0.9)]), InferResult)
+        await dispatcher.close()
+        await worker.stop()
+
+    run(scenario())
+
+
 def test_a_query_one_sample_of_which_would_be_refused_is_refused_before_its_size_is_known() -> None:
     """The API asks before it reads a body (refuse_early): refused exactly when a one-sample
     query would be by submit, recorded as that refusal; otherwise nothing raised or recorded."""
