@@ -798,6 +798,8 @@ class AppDispatcher:
                 lone = next(part for part in parts if part.alone)
                 self._requeue(stage, [part for part in parts if part is not lone])
                 parts = [lone]
+            if len(parts) > 1 and stage.io.varies:
+                parts = self._stackable(stage, parts)
             if parts:
                 parts = self._in_time(stage, slot.worker, parts, now)
             if parts:
@@ -817,6 +819,25 @@ class AppDispatcher:
                 self._start(stage, slot, parts, now, turnaround_ms)
         if not queue:
             stage.drain.emptied()
+
+    def _stackable(self, stage: _Stage, parts: list[_Part]) -> list[_Part]:
+        """The parts of a batch whose samples come in the first part's shapes; the others back
+        to the front of the queue, for a batch of their own shapes. A model with a dynamic
+        dimension past the batch (a sequence's length) takes one shape a batch: a batch of
+        mixed shapes failed to encode, was taken for bad inputs, and every query of it went
+        alone from then on (a load of two lengths served one query a call, most refused)."""
+        io = stage.io
+        first = parts[0]  # kept whatever its own samples are (so that the batch never empties)
+        key = io.stack_key(first.request.inputs[first.samples[0]])
+        kept = [first]
+        other: list[_Part] = []
+        for part in parts[1:]:
+            rows = part.request.inputs
+            same = all(io.stack_key(rows[i]) == key for i in part.samples)
+            (kept if same else other).append(part)
+        if other:
+            self._requeue(stage, other)
+        return kept
 
     def _fall_back(self, stage: _Stage, policy: DispatchPolicy, failed: str) -> DispatchPolicy:
         """A policy that raised (in its ``failed`` method: ``dispatch`` or ``observe``) must

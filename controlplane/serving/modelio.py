@@ -135,6 +135,7 @@ class ModelIO:
         "model",
         "path",
         "signature",
+        "varies",
     )
 
     def __init__(
@@ -159,6 +160,9 @@ class ModelIO:
             spec.sample_shape if all(d >= 0 for d in spec.sample_shape) else None
             for spec in signature.inputs
         )
+        # Whether a sample's shape may differ from query to query (a dynamic dimension past the
+        # batch: a sequence's length), so that not any rows stack in one batch (stack_key).
+        self.varies = any(fixed is None for fixed in self._fixed)
         first = signature.outputs[0]
         self._first = first.name
         self._integral = first.dtype.kind in "biu"
@@ -201,6 +205,16 @@ class ModelIO:
                 raise ModelIOError(f"input {spec.name!r}: {error}") from None
             tensors.append((spec.name, spec.datatype, array))
         return binary_request_body(tensors)
+
+    def stack_key(self, row: Row) -> tuple[tuple[int, ...], ...]:
+        """The shapes ``row``'s samples come in, one per input: rows of equal keys stack in one
+        batch (:meth:`encode` refuses samples of one batch that differ in shape). Meant where
+        :attr:`varies`; a flat sample (``/v1``'s) counts as its length."""
+        samples = (row,) if len(self.signature.inputs) == 1 else tuple(row)
+        return tuple(
+            sample.shape if isinstance(sample, np.ndarray | np.generic) else np.shape(sample)
+            for sample in samples
+        )
 
     def _column(
         self, spec: TensorSpec, fixed: tuple[int, ...] | None, column: Sequence[Any]

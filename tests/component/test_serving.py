@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import dataclasses
 import logging
 import math
 import time
@@ -61,6 +62,7 @@ from estimator.profiles import LatencyProfile
 from matching import registry
 from matching.fcfs import FcfsPolicy
 from matching.policy import Dispatch
+from provisioners.artifacts import ModelSignature, TensorSpec
 from provisioners.base import APP_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
 from tests.fake_worker import FakeWorker
@@ -465,6 +467,40 @@ def test_a_row_that_does_not_fit_the_signature_fails_alone_in_its_batch() -> Non
         assert all(isinstance(r, InferResult) for q, r in enumerate(results) if q != 5)
         assert all(w.healthy for w in dispatcher.status().workers)
         await dispatcher.close()
+
+    run(scenario())
+
+
+def test_queries_of_a_dynamic_dimension_go_in_batches_of_one_shape() -> None:
+    """A model whose input has a dynamic dimension past the batch (a sequence's length) takes
+    one shape a batch. Queries of two lengths queued together go in batches of one length each,
+    and every one is answered: a batch of both failed to encode, was taken for bad inputs, and
+    each of its queries went alone from then on (a load of two lengths, one query a call)."""
+    signature = ModelSignature(
+        (TensorSpec("x", "FP32", (-1, -1)),), (TensorSpec("scores", "FP32", (-1, 10)),)
+    )
+
+    async def scenario() -> None:
+        (worker,) = await fleet([LARGE], signatures={"tiny": signature})
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
+        app = dataclasses.replace(
+            config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0),
+            io={"tiny": ModelIO("tiny", signature)},
+        )
+        dispatcher = await dispatcher_over([worker], app, admission=False)
+        worker.holding = True
+        first = dispatcher.submit([row(0, 0.9)])  # held: what follows queues behind it
+        await until(lambda: worker.received == 1)
+        queued = [dispatcher.submit([row(q, 0.9)[: 8 if q % 2 else 12]]) for q in range(1, 9)]
+        worker.release()
+        results = await settle([first, *queued])
+        assert all(isinstance(r, InferResult) for r in results), results
+        assert [r.outputs for r in results if isinstance(r, InferResult)] == [
+            (q,) for q in range(9)
+        ]
+        assert worker.batch_sizes == [1, 4, 4]  # the held query, then one batch of each length
+        await dispatcher.close()
+        await worker.stop()
 
     run(scenario())
 
