@@ -7,14 +7,18 @@ What runs: ``heteroplane serve`` with the local provisioner (``benchmarks/local_
 user's model it has never seen, pushed with ``heteroplane model push``: a bag-of-tokens
 classifier (an embedding of a 10-token vocabulary, INT64 token ids [N, 4], averaged, a linear
 layer to three scores; seeded weights) exported to ONNX; an app of it on one ``emu.cpu.large``
-worker with a batch cap of 8 (a profile file: the numbers only plan). The good load is
+worker, which pads a batch of b rows to 10 + 0.5 b ms (the local provisioner's emulation; the
+app's profile file says the same, so its plan batches): at 100 q/s queries queue and go in
+batches of several, poison among them. (Until 2026-12-06 the worker answered in about a
+millisecond and the plan's batch was 1: no poison query ever shared a batch.) The good load is
 ``heteroplane loadgen``'s open loop over ``/v2`` (a Poisson trace at ``--rate-qps`` for
 ``--duration-s``, rows of valid tokens from a ``.npz``); beside it, every ``--poison-every-s``
 seconds one query over ``/v2`` whose tokens include one outside the vocabulary (the model
 raises on it: onnxruntime's Gather).
 
 Printed: the good load's summary (sent, answered, errors by kind, p50, p99), the poison queries'
-answers by status, whether the worker stayed healthy and the ``worker_unhealthy`` decisions
+answers by status and how many of them the worker refused in a batch of several (its message
+names the batch's rows), whether the worker stayed healthy and the ``worker_unhealthy`` decisions
 recorded. Goal (issue 30): 0 good queries fail. Before issue 30 a model error marked the worker
 unhealthy for about a second, and one such query a second made most concurrent good queries
 fail with 503.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,10 +101,42 @@ def profile_file(folder: Path, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Path:
     return path
 
 
+# The benchmark's worker pads a batch of b rows to SERVICE_MS + ROW_MS * b (the local
+# provisioner's emulation): at 100 q/s a batch of one would not keep up, so queries queue and go
+# in batches of several, poison among them, as the app's plan (the same curve) expects.
+SERVICE_MS = 10.0
+ROW_MS = 0.5
+SIZES = (1, 2, 4, 8)
+
+
+def service_curves(data_dir: Path) -> Path:
+    """The curves the workers pad to (:data:`SERVICE_MS`, :data:`ROW_MS`) in the data
+    directory's profile file, which the local provisioner hands its workers, and the same
+    numbers as the app's profile file, ``data_dir/profiles.json``: the latter's path."""
+    from controlplane.provisioning import LOCAL_PROFILE_FILE
+    from estimator.profiles import LatencyProfile, write_profiles_json
+
+    sizes = np.array(SIZES)
+    cells = tuple(np.full(8, SERVICE_MS + ROW_MS * b) for b in SIZES)
+    emulated = data_dir / LOCAL_PROFILE_FILE
+    emulated.parent.mkdir(parents=True, exist_ok=True)
+    profiles = [LatencyProfile(MODEL, INSTANCE_TYPE, sizes, cells)]
+    write_profiles_json(profiles, emulated, source="benchmarks/bad_queries.py")
+    path = data_dir / "profiles.json"
+    entry = {
+        "model": MODEL,
+        "instance_type": INSTANCE_TYPE,
+        "batch_sizes": list(SIZES),
+        "latency_ms": [SERVICE_MS + ROW_MS * b for b in SIZES],
+    }
+    path.write_text(json.dumps({"profiles": [entry]}))
+    return path
+
+
 def app_spec(data_dir: Path) -> dict[str, Any]:
     """The app of the model on one worker, its profiles written to the service's data directory
-    ``data_dir`` (:func:`profile_file`): the API refuses a spec naming a file elsewhere."""
-    profiles = profile_file(data_dir)
+    ``data_dir`` (:func:`service_curves`): the API refuses a spec naming a file elsewhere."""
+    profiles = service_curves(data_dir)
     return {
         "name": APP,
         "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
@@ -110,10 +147,15 @@ def app_spec(data_dir: Path) -> dict[str, Any]:
     }
 
 
+_SHARED = re.compile(r"failed on \d+ of (\d+) rows")
+
+
 def poison_sender(
     url: str, token: str, every_s: float, stop: threading.Event, statuses: Counter[str]
 ) -> None:
-    """One query a tick with a token outside the vocabulary, until ``stop``."""
+    """One query a tick with a token outside the vocabulary, until ``stop``; ``statuses``
+    counts the answers by status, and as ``shared`` those the worker refused in a batch of
+    several (its message: "failed on 1 of 3 rows")."""
     rng = np.random.default_rng(1)
     with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=30.0) as client:
         while not stop.wait(every_s):
@@ -122,9 +164,14 @@ def poison_sender(
             body = {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, 4]}]}
             body["inputs"][0]["data"] = tokens
             try:
-                statuses[str(client.post(url, json=body).status_code)] += 1
+                answer = client.post(url, json=body)
             except httpx.HTTPError as error:
                 statuses[type(error).__name__] += 1
+                continue
+            statuses[str(answer.status_code)] += 1
+            shared = _SHARED.search(answer.text)
+            if shared is not None and int(shared.group(1)) > 1:
+                statuses["shared"] += 1
 
 
 def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[str, Any]:
@@ -133,6 +180,7 @@ def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[s
     data_dir.mkdir()
     try:
         model = export_model(root)
+        spec = app_spec(data_dir)  # before the service: its provisioner reads the curves then
         token = local_service.issue_token(data_dir, "bad-queries")
         port = local_service.free_port()
         base = f"http://127.0.0.1:{port}"
@@ -149,7 +197,7 @@ def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[s
                 env=env,
                 capture_output=True,
             )
-            api.post("/v1/apps", json=app_spec(data_dir)).raise_for_status()
+            api.post("/v1/apps", json=spec).raise_for_status()
             preview = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": rate_qps})
             preview.raise_for_status()
             plan = preview.json()
@@ -194,7 +242,8 @@ def measure(rate_qps: float, duration_s: float, poison_every_s: float) -> dict[s
         "poison_every_s": poison_every_s,
         "good": summary,
         "good_failed": summary["errors"],
-        "poison_answers": dict(poison),
+        "poison_answers": {k: v for k, v in poison.items() if k != "shared"},
+        "poison_in_batches_of_several": poison["shared"],
         "workers_healthy": all(w["healthy"] for w in status["workers"]),
         "worker_unhealthy_decisions": len(decisions),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
@@ -222,7 +271,8 @@ def main() -> int:
         f" p99 {good['p99_ms']:.1f} ms"
     )
     print(
-        f"poison queries (one every {args.poison_every_s:g} s): {result['poison_answers']};"
+        f"poison queries (one every {args.poison_every_s:g} s): {result['poison_answers']}"
+        f" ({result['poison_in_batches_of_several']} in batches of several);"
         f" worker healthy: {result['workers_healthy']}, worker_unhealthy decisions:"
         f" {result['worker_unhealthy_decisions']}"
     )
