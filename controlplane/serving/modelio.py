@@ -172,12 +172,14 @@ class ModelIO:
 
     # --- requests -------------------------------------------------------------------------------
 
-    def encode(self, rows: Sequence[Row]) -> tuple[bytes, int]:
+    def encode(self, rows: Sequence[Row], timeout_s: float | None = None) -> tuple[bytes, int]:
         """The ``POST /v2/models/{model}/infer`` body of ``rows`` (one batch, in order) in binary
         tensors, and the size of its JSON part (the header
         :data:`~provisioners.worker.oip.HEADER_LENGTH`); :class:`ModelIOError` when a row does
         not fit the signature or holds a value its input's type does not (the worker's own check,
-        :func:`~provisioners.worker.oip.tensor_values`, made here: a refusal costs no call)."""
+        :func:`~provisioners.worker.oip.tensor_values`, made here: a refusal costs no call).
+        ``timeout_s``: the call's timeout, sent as the protocol's ``parameters.timeout``
+        (microseconds): the agent runs a failed batch's rows again alone within half of it."""
         if not rows:
             raise ModelIOError("a batch needs at least one row")
         inputs = self.signature.inputs
@@ -204,7 +206,9 @@ class ModelIO:
                     raise
                 raise ModelIOError(f"input {spec.name!r}: {error}") from None
             tensors.append((spec.name, spec.datatype, array))
-        return binary_request_body(tensors)
+        if timeout_s is None or not math.isfinite(timeout_s) or timeout_s <= 0:
+            return binary_request_body(tensors)
+        return binary_request_body(tensors, parameters={"timeout": math.ceil(timeout_s * 1e6)})
 
     def stack_key(self, row: Row) -> tuple[tuple[int, ...], ...]:
         """The shapes ``row``'s samples come in, one per input: rows of equal keys stack in one

@@ -251,7 +251,7 @@ class HttpWorkerTransport:
         self, address: str, io: ModelIO, rows: Sequence[Row], timeout_s: float
     ) -> WorkerReply:
         try:
-            body, header_length = io.encode(rows)
+            body, header_length = io.encode(rows, timeout_s)
         except ModelIOError as error:
             raise WorkerCallError(
                 address, "input", str(error), status=400, worker_fault=False

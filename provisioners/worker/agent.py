@@ -402,10 +402,12 @@ class WorkerAgent:
             )
         except OipError as error:
             raise RequestError(error.status, str(error)) from None
+        budget_s = rows_alone_budget_s(body)
+        stop_s = None if budget_s is None else self._clock() + budget_s
         with self._idle:
             self._in_flight += 1
         try:
-            return self._run(model, runtime, request)
+            return self._run(model, runtime, request, stop_s)
         finally:
             with self._idle:
                 self._in_flight -= 1
@@ -422,7 +424,9 @@ class WorkerAgent:
             )
         return runtime
 
-    def _run(self, model: str, runtime: ModelRuntime, request: InferRequest) -> dict[str, Any]:
+    def _run(
+        self, model: str, runtime: ModelRuntime, request: InferRequest, stop_s: float | None
+    ) -> dict[str, Any]:
         batch_size = request.batch_size
         arrived = self._clock()
         with self._batch_lock:
@@ -430,7 +434,7 @@ class WorkerAgent:
             try:
                 outputs = runtime.run(request.inputs)
             except Exception as error:  # the model's own failure on this batch
-                outputs = _rows_alone(model, runtime, request, error)
+                outputs = _rows_alone(model, runtime, request, error, self._clock, stop_s)
             measured_ms = (self._clock() - start) * 1000.0
             target_ms = self.emulation.target_ms(model, batch_size, measured_ms=measured_ms)
             pad_ms = self.emulation.padding_ms(model, batch_size, measured_ms=measured_ms)
@@ -467,19 +471,47 @@ class WorkerAgent:
             ) from None
 
 
+def rows_alone_budget_s(document: object) -> float | None:
+    """How long a failed batch's rows may be run again alone: half the caller's timeout, the
+    request's ``parameters.timeout`` (microseconds, the protocol's way, which the dispatcher
+    sends with each batch: its call's timeout); None without one (no bound)."""
+    parameters = document.get("parameters") if isinstance(document, Mapping) else None
+    timeout = parameters.get("timeout") if isinstance(parameters, Mapping) else None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        return None
+    budget_s = float(timeout) / 1e6 / 2.0
+    return budget_s if math.isfinite(budget_s) and budget_s > 0 else None
+
+
 def _rows_alone(
-    model: str, runtime: ModelRuntime, request: InferRequest, error: Exception
+    model: str,
+    runtime: ModelRuntime,
+    request: InferRequest,
+    error: Exception,
+    clock: Callable[[], float] = time.monotonic,
+    stop_s: float | None = None,
 ) -> dict[str, np.ndarray]:
     """After the model raised ``error`` on a batch: each row of it run alone, so that a bad row
     fails alone. The rows' outputs stacked when every one passes (the batch failed, its rows do
     not); else :class:`RequestError` naming the rows that fail (``failed_rows``), 422 when the
     inputs are at fault (some rows pass, or the model's error says so: :func:`input_at_fault`),
-    else 500."""
+    else 500. Past ``stop_s`` (on ``clock``; :func:`rows_alone_budget_s`) no more rows run: the
+    error names none, and the caller tries each of its queries alone. A slow model's batch of
+    hundreds of rows, run again row by row, outlasted the dispatcher's call: the worker was
+    taken for hung over a bad row."""
     n = request.batch_size
     failures: dict[int, Exception] = {0: error} if n == 1 else {}
     outputs: list[dict[str, np.ndarray]] = []
     if n > 1:
         for i in range(n):
+            if stop_s is not None and clock() > stop_s:
+                first = next(iter(failures.values()), error)
+                fault = bool(outputs) or input_at_fault(first)
+                raise RequestError(
+                    HTTPStatus.UNPROCESSABLE_ENTITY if fault else HTTPStatus.INTERNAL_SERVER_ERROR,
+                    f"model {model!r} failed on a batch of {n} rows ({i} run again alone before"
+                    f" half the caller's timeout): {_reason(first)}",
+                )
             row = {name: array[i : i + 1] for name, array in request.inputs.items()}
             try:
                 outputs.append(runtime.run(row))

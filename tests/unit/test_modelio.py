@@ -23,6 +23,7 @@ from controlplane.serving.modelio import (
     stack_outputs,
 )
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
+from provisioners.worker import agent
 from provisioners.worker.oip import (
     InferRequest,
     parse_infer_request,
@@ -69,6 +70,19 @@ def test_a_family_batch_is_one_flat_fp32_tensor_in_binary_the_worker_parses() ->
     assert parsed.inputs["input"].shape == (3, 64)
     # The values are the FP32 ones the rows round to, bit for bit (as JSON text gave them).
     assert np.array_equal(parsed.inputs["input"], np.asarray(rows, dtype=np.float32))
+
+
+def test_a_batch_carries_the_calls_timeout_for_the_agent_to_budget_its_rows_alone() -> None:
+    # The agent runs a failed batch's rows again alone within half the call's timeout: the
+    # dispatcher sends it as the protocol's parameters.timeout (microseconds).
+    body, header_length = ModelIO("tiny").encode([[0.5] * 64], timeout_s=2.0)
+    document, _ = split_infer_body(body, str(header_length))
+    assert document["parameters"] == {"timeout": 2_000_000}
+    assert agent.rows_alone_budget_s(document) == 1.0
+    assert worker_reads((body, header_length)).batch_size == 1  # the worker takes it
+    plain, length = ModelIO("tiny").encode([[0.5] * 64])
+    assert "parameters" not in json.loads(plain[:length])
+    assert agent.rows_alone_budget_s(json.loads(plain[:length])) is None
 
 
 def test_several_inputs_numpy_rows_and_dynamic_dimensions_encode() -> None:

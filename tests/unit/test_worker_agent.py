@@ -593,6 +593,31 @@ def test_a_bad_row_fails_alone_and_is_named_with_a_422() -> None:
     assert (alone.value.status, alone.value.failed_rows) == (422, [0])
 
 
+def test_rows_alone_stop_at_half_the_callers_timeout_and_name_no_rows() -> None:
+    """A slow model (20 ms a call) fails a batch of 100 rows on its last one: run again row by
+    row, the rows took 2 s, past the dispatcher's call of 1 s, which took the worker for hung
+    over a bad row. Within the caller's timeout (parameters.timeout), the rows run alone for
+    half of it at most; then the answer names no rows (the dispatcher tries each query alone),
+    and a 422 since rows passed."""
+    times = FakeTime(20.0)
+    worker = ready_agent(times, Emulation("emu.cpu.small", None))
+    model = Poisoned(times)
+    worker.set_models({"tiny": model})
+    data = [1.0] * 64 * 100
+    data[64 * 99] = 999.0  # the last row: out of the vocabulary
+    tensor = {"name": "input", "shape": [100, 64], "datatype": "FP32", "data": data}
+    started = times.now_s
+    with pytest.raises(RequestError) as refused:
+        worker.infer("tiny", {"inputs": [tensor], "parameters": {"timeout": 1_000_000}})
+    assert refused.value.status == 422 and refused.value.failed_rows is None
+    assert times.now_s - started <= 0.5 + 0.02  # half the timeout, and the row in hand
+    assert "run again alone before half the caller's timeout" in str(refused.value)
+    # Without a timeout (a direct caller), every row runs alone and the bad one is named.
+    with pytest.raises(RequestError) as named:
+        worker.infer("tiny", {"inputs": [tensor]})
+    assert named.value.failed_rows == [99]
+
+
 def test_a_batch_whose_rows_pass_alone_is_answered_row_by_row() -> None:
     times = FakeTime(1.0)
     worker = ready_agent(times, Emulation("emu.cpu.small", None))
