@@ -479,7 +479,10 @@ def rows_alone_budget_s(document: object) -> float | None:
     timeout = parameters.get("timeout") if isinstance(parameters, Mapping) else None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         return None
-    budget_s = float(timeout) / 1e6 / 2.0
+    try:
+        budget_s = float(timeout) / 1e6 / 2.0
+    except OverflowError:  # a JSON integer past any float: no bound
+        return None
     return budget_s if math.isfinite(budget_s) and budget_s > 0 else None
 
 

@@ -83,6 +83,9 @@ def test_a_batch_carries_the_calls_timeout_for_the_agent_to_budget_its_rows_alon
     plain, length = ModelIO("tiny").encode([[0.5] * 64])
     assert "parameters" not in json.loads(plain[:length])
     assert agent.rows_alone_budget_s(json.loads(plain[:length])) is None
+    # What a direct caller may send instead: no bound, never an error.
+    for timeout in (10**400, -5, 0, True, "100", float("inf")):
+        assert agent.rows_alone_budget_s({"parameters": {"timeout": timeout}}) is None
 
 
 def test_several_inputs_numpy_rows_and_dynamic_dimensions_encode() -> None:
