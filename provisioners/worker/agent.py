@@ -53,7 +53,8 @@ a batch, each of its rows is run again alone: when every row passes, the batch i
 422 when the inputs are at fault (some rows pass, or the model's error says so: an index out of
 range, a wrong shape or type) and 500 otherwise. Either way the worker serves on: the
 dispatcher fails the queries of those rows alone and sends the others again
-(:func:`input_at_fault`).
+(:func:`input_at_fault`). The rows run alone for half the request's ``parameters.timeout`` at
+most (the dispatcher sends its call's timeout); past it the answer names no rows.
 
 Emulation: with ``--speed-factor F`` (the local provisioner passes the catalog's), the worker
 stands in for ``--instance-type`` and pads every batch to that type's latency; ``--profile FILE``
