@@ -113,6 +113,7 @@ from controlplane.policies.replay import (
     has_matched_capacity,
     kairos_capacity_model,
     rate_per_instance_qps,
+    stage_slo_targets_ms,
 )
 from controlplane.policies.sizing import DEFAULT_LADDER_LOADS, SizingLadder, tuner_stage
 from controlplane.policies.tuner import (
@@ -664,7 +665,13 @@ class LiveTuner:
         stages: list[TunerStage] = []
         service_time_s = 0.0
         types: set[str] = set()
-        for entry, mu in zip(document.stages, stage_rates_qps(resolved, document), strict=True):
+        # A Kairos-dispatched stage's bound is at its share of the SLO less the control plane's
+        # own time, as the replay's InferLine model and the planner judge it.
+        targets_ms = stage_slo_targets_ms(document, resolved)
+        by_stage = zip(
+            document.stages, stage_rates_qps(resolved, document), targets_ms, strict=True
+        )
+        for entry, mu, target_ms in by_stage:
             name = entry.name
             fleet = {t: n for t, n in entry.fleet.items() if n > 0}
             batch = entry.batch_size
@@ -680,7 +687,9 @@ class LiveTuner:
             if has_matched_capacity(entry.policy, list(mu), batch):
                 planning = synthetic_planning_arrivals(planned_rate)
                 ones = np.ones(planning.size, dtype=np.int64)
-                model = kairos_capacity_model(resolved, name, list(mu), Trace(planning, ones))
+                model = kairos_capacity_model(
+                    resolved, name, list(mu), Trace(planning, ones), target_ms
+                )
             stages.append(TunerStage(name, scale, fleet, mu, 1.0, capacity_model=model))
         planned = _planned_envelope(document, self._max_window_s)
         if isinstance(planned, str):

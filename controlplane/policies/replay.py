@@ -512,8 +512,10 @@ def kairos_capacity_model(
     slo_ms: float | None = None,
 ) -> CapacityModel | None:
     """The Kairos throughput upper bound (:func:`estimator.bounds.upper_bounds`) of ``model`` on
-    counts of ``types``, for the trace's batch mix and the app's SLO (``slo_ms`` where given: a
-    cascade stage's share of it, :func:`stage_slo_targets_ms`), as a tuner capacity model;
+    counts of ``types``, for the trace's batch mix and the SLO the stages share once the control
+    plane's own time per query is taken off, as the planner judges a mix's dispatch by
+    (``slo_ms`` where given: a cascade stage's share of it, :func:`stage_slo_targets_ms`), as a
+    tuner capacity model;
     ``None`` when the bound does not apply (no type meets the SLO at every batch size, a batch
     size outside a profile)."""
     sizes, counts = np.unique(trace.batch_size, return_counts=True)
@@ -524,7 +526,7 @@ def kairos_capacity_model(
             model,
             list(types),
             {name: prices[name] for name in types},
-            app.spec.slo.latency_ms if slo_ms is None else slo_ms,
+            app.constraints.stage_slo_ms if slo_ms is None else slo_ms,
             (sizes, counts / counts.sum()),
         )
     except EstimatorError:

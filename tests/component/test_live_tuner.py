@@ -811,6 +811,49 @@ def test_a_cascade_keeps_inferlines_model_on_every_stage(store: Store, tmp_path:
         assert decision.numbers["model_note"] == "a cascade: InferLine's model per stage"
 
 
+def test_a_cascade_stages_kairos_bound_is_at_its_share_of_the_slo(
+    store: Store, tmp_path: Path
+) -> None:
+    """A cascade whose stages share a 100 ms SLO 50/50 (their predicted P99s), the second a Kairos
+    mix of a large (10 ms a query) and a small (60 ms): within its 50 ms the small serves no
+    query, so the stage's capacity model, as the replay's InferLine model and the planner judge
+    it, is the large's 100 qps. The live tuner's bound was at the whole SLO, where the small
+    counted too (116.7 qps)."""
+    profiles = {
+        "format": "heteroplane.profiles/v1",
+        "profiles": [
+            {"model": m, "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
+            for m in ("tiny", "large")
+            for t, ms in ((SMALL, 60.0), (LARGE, 10.0))
+        ],
+    }
+    (tmp_path / "profiles.json").write_text(json.dumps(profiles))
+    store.create_app(
+        {
+            "name": APP,
+            "models": [
+                {"name": m, "profiles": str(tmp_path / "profiles.json")} for m in ("tiny", "large")
+            ],
+            "cascade": ["tiny", "large"],
+            "slo": {"latency_ms": 100},
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [SMALL, LARGE],
+        },
+        who="test",
+    )
+    document = plan_document(1, 50.0)
+    (first,) = document["stages"]
+    mixed = {**first, "name": "large", "fleet": {SMALL: 1, LARGE: 1}, "policy": "kairos"}
+    document["stages"] = [{**first, "fleet": {LARGE: 1}}, mixed]
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+    tuner = LiveTuner(store, FakeClock(start_s=1000.0), Feed(), resolve, submit=Worker())
+    tuner.tick()
+    _tiny, large = tuner.stages(APP)
+    assert large.capacity_model is not None
+    assert large.capacity_model({SMALL: 1, LARGE: 1}) == pytest.approx(100.0)
+    assert large.capacity_model({SMALL: 0, LARGE: 1}) == pytest.approx(100.0)
+
+
 def batched_ladder(app: Any, plan: Any) -> SizingLadder:
     """A single stage's ladder whose lower rungs batch four queries (the planner's choice there:
     fewer instances, each batching more) and whose upper ones batch one."""

@@ -4,6 +4,7 @@ launch and the budget as a bound, and the command's JSON contract and bad input.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from controlplane.cli import main
 from controlplane.cli import replay as replay_cli
+from controlplane.policies.pipeline import dispatch_choice
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.replay import (
     FleetTimeline,
@@ -719,6 +721,31 @@ def test_the_kairos_capacity_model_of_rm2_saturates_on_the_base_type(tmp_path: P
         update={"slo": app.spec.slo.model_copy(update={"latency_ms": 1.0})}
     )
     assert kairos_capacity_model(resolve_spec(tight), "rm2", [GPU, CPU], trace) is None
+
+
+def test_the_kairos_capacity_model_holds_to_the_slo_less_the_services_own_time(
+    tmp_path: Path,
+) -> None:
+    """With the service's own 30 ms per query measured, the stages share 20 ms of the 50 ms SLO:
+    the planner's dispatch leaves the r5n.large (25 ms a query) out of a mix's matching, so the
+    tuner's capacity model (the sizing ladder's, the replay's, the live tuner's) must not count
+    it either. It was the Kairos bound at the whole SLO, 140 qps for one of each against the
+    100 qps the planner's fleet serves."""
+    plain = app_of(tmp_path)
+    app = dataclasses.replace(plain, serving_overhead_ms=30.0)
+    trace = trace_of(step_profile(50.0, 50.0, 0.0), 60.0)
+    profiles = {t: app.profile("m", t) for t in (GPU, CPU)}
+    stage_slo_ms = app.constraints.stage_slo_ms
+    assert stage_slo_ms == 20.0
+    assert dispatch_choice(None, profiles, app.prices_usd_per_hr, trace.batch_size, stage_slo_ms)[
+        1
+    ] == [GPU]
+    model = kairos_capacity_model(app, "m", [GPU, CPU], trace)
+    assert model is not None
+    assert model({GPU: 1, CPU: 1}) == pytest.approx(model({GPU: 1, CPU: 0}))
+    # Nothing measured: the whole SLO, where the r5n.large serves beside the g4dn.xlarge.
+    whole = kairos_capacity_model(plain, "m", [GPU, CPU], trace)
+    assert whole is not None and whole({GPU: 1, CPU: 1}) > whole({GPU: 1, CPU: 0})
 
 
 def test_a_windows_p99_reads_as_its_json_says() -> None:
