@@ -23,7 +23,8 @@ service runs it in the ``tuner_tick`` job, after the live tuner) it reads, for e
   serving instances stand in for which type (``HeldBack.stand_ins``), counted as that type;
 - the app's resolved spec: per model and candidate type, Q_v, the rate one instance serves at
   the plan's batch size (:func:`controlplane.policies.replay.rate_per_instance_qps`; 0 when the
-  profile's batch time misses the SLO: INFaaS's Constraint 2), and T_load, the type's start-up
+  profile's batch time misses the SLO less the service's measured time per query, as the
+  planner holds a stage to: INFaaS's Constraint 2), and T_load, the type's start-up
   (:func:`controlplane.policies.tuner.default_boot_s`, the loading latency of an inactive
   variant); its prices, its ``max_counts`` and the app's budget;
 
@@ -271,7 +272,8 @@ class InfaasScaler:
         types = list(resolved.instance_types)
         boot_s = default_boot_s(resolved.catalog, types)
         limits = resolved.constraints
-        slo_ms = limits.slo_ms
+        # A variant meets the SLO the planner holds a stage to: less the service's own time.
+        slo_ms = limits.stage_slo_ms
         variants = []
         for model in models:
             entry = stages.get(model)

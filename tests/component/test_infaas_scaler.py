@@ -29,7 +29,12 @@ from controlplane.errors import OverloadedError
 from controlplane.loops.infaas_scaler import InfaasScaler
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.policies.infaas_scaling import ScalingConfig
-from controlplane.service.build import build_reconciler, scaled_fleet, stored_apps
+from controlplane.service.build import (
+    build_reconciler,
+    scaled_fleet,
+    stored_apps,
+    stored_overhead,
+)
 from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.workers import WorkerEndpoint
 from provisioners.fake import FakeProvisioner
@@ -322,6 +327,57 @@ def idle_scaler(store: Any, clock: Any, resolver: Any) -> InfaasScaler:
     return InfaasScaler(
         store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
     )
+
+
+def test_a_variant_is_judged_against_the_slo_less_the_services_own_time(tmp_path: Path) -> None:
+    """The service measured 50 ms of its own per query of a 100 ms SLO, so the workers have 50
+    ms, as the planner holds a stage to: an emu.cpu.small taking 60 ms a query misses it, and at
+    30 qps over one emu.cpu.large (25 qps, booting) the scaler adds another large. It judged the
+    variants against the whole SLO and upgraded to the small (the cheaper cover), whose answers
+    then took 110 ms end to end."""
+    small = "emu.cpu.small"
+    (tmp_path / "mixed.json").write_text(
+        json.dumps(
+            {
+                "format": "heteroplane.profiles/v1",
+                "profiles": [
+                    {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
+                    for t, ms in ((small, 60.0), (LARGE, 40.0))
+                ],
+            }
+        )
+    )
+    clock = FakeClock(start_s=1000.0)
+    store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
+    try:
+        resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
+        document = {
+            **spec(tmp_path),
+            "models": [{"name": "tiny", "profiles": str(tmp_path / "mixed.json")}],
+            "budget_usd_per_hr": 1.0,
+            "instance_types": [small, LARGE],
+        }
+        store.create_app(spec_document(resolver.check(document).spec), who="test")
+        store.apply_plan(APP, store.create_plan(APP, PLAN).id)
+        store.set_serving_overhead(APP, 50.0, 100)
+        resolver.invalidate(APP)
+        from controlplane.serving.dispatcher import AppStatus
+
+        idle = AppStatus(APP, "", 100.0, (), (), 0)
+        arrivals = 990.0 + np.arange(3000) / 30.0  # 30 qps
+        scaler = InfaasScaler(
+            store,
+            clock,
+            lambda _app: arrivals[arrivals <= clock.now_s()],
+            lambda: [idle],
+            stored_apps(resolver),
+        )
+        clock.advance(1.0)
+        made = scaler.tick()
+        assert [(d.action, d.instance_type) for _, d in made] == [("infaas_upgrade", LARGE)]
+        assert scaler.desired_fleet(store.get_app(APP)) == {LARGE: 2}
+    finally:
+        store.close()
 
 
 def test_a_budget_cut_keeps_the_fleet_reached_cut_to_the_budget(tmp_path: Path) -> None:
