@@ -58,6 +58,14 @@ class AppConfig:
     gear_plan: GearPlan | None = None
     model_memory_mb: Mapping[str, float] = field(default_factory=dict)
     instance_memory_mb: Mapping[str, float] = field(default_factory=dict)
+    # The SLO less the control plane's own measured time per query: what the planner judges a
+    # stage's dispatch (its Kairos base types) against; None: ``slo_ms`` (nothing measured).
+    stage_slo_ms: float | None = None
+
+    @property
+    def dispatch_slo_ms(self) -> float:
+        """The SLO a stage's base types must meet at every batch size (:attr:`stage_slo_ms`)."""
+        return self.slo_ms if self.stage_slo_ms is None else self.stage_slo_ms
 
     def __post_init__(self) -> None:
         missing = [m for m in self.cascade.models if m not in self.models]

@@ -147,6 +147,7 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
         **placement_inputs(resolved, plan.plan if plan is not None else None, models),
         name=app,
         slo_ms=float(spec.slo.latency_ms),
+        stage_slo_ms=float(resolved.constraints.stage_slo_ms),
         models=models,
         cascade=cascade,
         profiles=profiles,

@@ -125,7 +125,10 @@ def build_stage(stage: ServingStage, workers: Sequence[Worker], config: AppConfi
     if types and key != stage.policy_key:
         used = {t: profiles[t] for t in types}
         name, base = policy_name(
-            config.stage_plans.get(stage.model), used, config.slo_ms, config.prices_usd_per_hr
+            config.stage_plans.get(stage.model),
+            used,
+            config.dispatch_slo_ms,
+            config.prices_usd_per_hr,
         )
         stage.policy = policy_factory(name, used, base)()
         stage.policy_name = name

@@ -30,10 +30,17 @@ from controlplane.loops import live_tuner
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
 from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder, cascade_sizing
+from controlplane.policies.pipeline import dispatch_choice
 from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
 from controlplane.policies.tuner import TunerStage, ladder_fleet
+from controlplane.service.build import stored_overhead
+from controlplane.serving.loop import load_config
+from controlplane.serving.placement import Placement
+from controlplane.serving.stages import ServingStage
+from controlplane.serving.workers import WorkerEndpoint
 from controlplane.spec import load_spec, resolve_spec, validate_spec
+from matching.kairos import KairosPolicy
 from provisioners.fake import FakeProvisioner
 from tests.unit.test_planner import write_cascade_app
 
@@ -543,3 +550,50 @@ def test_a_mix_change_stops_the_old_mix_only_once_the_new_one_serves(
     downs = [d for d in store.list_decisions(APP) if d.kind == "scale_down"]
     assert [(d.numbers["instance_type"], d.numbers["count"]) for d in downs] == [(SMALL, smalls)]
     assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 0, GPU: 1}
+
+
+def test_the_live_dispatcher_judges_its_kairos_base_as_the_planner_does(
+    store: Store, tmp_path: Path
+) -> None:
+    """The service measured 190 ms of its own per query of a 200 ms SLO: the planner judges a
+    mix's Kairos base against the 10 ms left, which only the large (10 ms a query) meets. The
+    live dispatcher judged it against the whole SLO, where the small (15 ms, more queries per
+    USD/hr) ranked first and became the base of a stage the plan does not rank (no plan yet, a
+    type the tuner added)."""
+    (tmp_path / "mixed.json").write_text(
+        json.dumps(
+            {
+                "format": "heteroplane.profiles/v1",
+                "profiles": [
+                    {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
+                    for t, ms in ((SMALL, 15.0), (LARGE, 10.0))
+                ],
+            }
+        )
+    )
+    document = {
+        **spec(tmp_path, 1.0),
+        "models": [{"name": "tiny", "profiles": str(tmp_path / "mixed.json")}],
+    }
+    store.create_app(document, who="test")
+    store.set_serving_overhead(APP, 190.0, 100)
+    resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
+    resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
+    profiles = {t: resolved.profile("tiny", t) for t in (SMALL, LARGE)}
+    planned = dispatch_choice(
+        None,
+        profiles,
+        resolved.prices_usd_per_hr,
+        np.ones(1, dtype=np.int64),
+        resolved.constraints.stage_slo_ms,
+    )
+    assert planned == ("kairos", [LARGE])
+
+    placement = Placement()
+    placement.update(
+        [WorkerEndpoint("i-s", SMALL, "s:1"), WorkerEndpoint("i-l", LARGE, "l:1")], 0.0
+    )
+    stage = ServingStage("tiny")
+    placement.place(load_config(store, resolver, APP), {"tiny": stage})
+    assert isinstance(stage.policy, KairosPolicy)
+    assert (stage.policy_name, stage.policy.base_type) == ("kairos", LARGE)
