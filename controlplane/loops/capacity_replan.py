@@ -7,7 +7,8 @@ reconciler then keeps the instance's row ``requested`` and tries again every tic
 (:meth:`controlplane.loops.reconciler.Reconciler.capacity_misses` says for how long), while the app
 runs short of what its plan promised. Heterogeneity is the way out: once a type of the applied plan
 has missed for ``after_s`` (default :data:`DEFAULT_REPLAN_AFTER_S`), the replanner plans the app
-again (:func:`controlplane.policies.planner.plan_app` on the plan's own planning trace, made again
+again (:func:`controlplane.policies.planner.plan_app`, with spot where the app buys it as every plan
+of it is made, on the plan's own planning trace, made again
 from the generator parameters the API stored with it, ``trace.request``; a plan without them, a
 Poisson trace at its ``planned_rate_qps``: :func:`controlplane.apps.plans.planning_trace`)
 with that type capped at the instances of it the app already runs or has pending (``max_counts``,
@@ -47,6 +48,7 @@ from typing import Any
 from controlplane.apps.plans import (
     PlanRequest,
     planning_trace,
+    provider_prices,
     rate_request,
     replanning_request,
 )
@@ -55,6 +57,7 @@ from controlplane.errors import ControlPlaneError, InvalidValueError, app_gone
 from controlplane.loops.live_tuner import ResolveFn
 from controlplane.policies.lifecycle import InstanceState, is_profile_worker
 from controlplane.policies.planner import plan_app
+from controlplane.policies.spot import SpotPricesFn, plan_with_spot
 from controlplane.spec import SpecError
 from estimator import deadline
 from estimator.errors import EstimatorError
@@ -78,7 +81,9 @@ _LIVE = (InstanceState.PENDING.value, InstanceState.RUNNING.value)
 
 class CapacityReplanner:
     """Re-plans apps whose applied plan names a type the cloud has not supplied for ``after_s``
-    (see the module docstring); :meth:`tick` runs after each reconcile tick."""
+    (see the module docstring); :meth:`tick` runs after each reconcile tick. An app whose spec
+    buys spot is planned with it (:func:`~controlplane.policies.spot.plan_with_spot`), at
+    ``spot_prices`` (the provider's) where given, else the catalog's."""
 
     def __init__(
         self,
@@ -88,6 +93,7 @@ class CapacityReplanner:
         *,
         after_s: float = DEFAULT_REPLAN_AFTER_S,
         deadline_s: float = DEFAULT_PLAN_DEADLINE_S,
+        spot_prices: SpotPricesFn | None = None,
     ) -> None:
         if not (math.isfinite(after_s) and after_s >= 0):
             raise ValueError(f"after_s must be finite and >= 0, got {after_s!r}")
@@ -96,6 +102,7 @@ class CapacityReplanner:
         self._misses = misses
         self._after_s = float(after_s)
         self._deadline_s = float(deadline_s)
+        self._spot_prices = spot_prices  # the provider's, for apps that buy spot (docs/spot.md)
         # Per app, the (plan id, app version, missing types) already tried: each is re-planned
         # (or reported) once; a change of the app (its budget, say) makes it worth another try.
         # Only the applied plan's keys are kept.
@@ -147,8 +154,11 @@ class CapacityReplanner:
         rate = plan.plan.planned_rate_qps
         seed = request.seed
         trace, stats = planning_trace(capped, request)
+        # As every plan of the app is made (the API's, the traffic and spot re-planners'): with
+        # spot where its spec buys it, at the provider's prices now.
+        now = provider_prices(capped, self._spot_prices)
         with deadline.limit(self._deadline_s):
-            new = plan_app(capped, trace, seed=seed)
+            new = plan_with_spot(capped, trace, plan=plan_app, seed=seed, spot_prices=now)
         names = ", ".join(sorted(missing))
         caps_text = ", ".join(f"{t} <= {n}" for t, n in caps.items())
         numbers: dict[str, Any] = {

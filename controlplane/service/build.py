@@ -871,6 +871,7 @@ def build_service(
         reconciler.capacity_misses,
         after_s=settings.capacity_replan_after_s,
         deadline_s=settings.plan_deadline_s,
+        spot_prices=provider_spot_prices(provisioner),
     )
     calibrator = build_calibrator(
         settings,

@@ -21,10 +21,19 @@ from typing import Any
 
 import pytest
 
-from controlplane.apps.plans import PlanRequest, TraceRequest, preview_plan
+from controlplane.apps.plans import (
+    PlanRequest,
+    TraceRequest,
+    planning_trace,
+    preview_plan,
+    provider_prices,
+)
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
 from controlplane.loops.capacity_replan import CapacityReplanner
+from controlplane.policies.planner import plan_app
+from controlplane.policies.spot import plan_with_spot
+from controlplane.provisioning import provider_spot_prices
 from controlplane.service.build import Service, build_service
 from controlplane.settings import Settings
 from provisioners.fake import FakeProvisioner
@@ -244,3 +253,48 @@ def test_launches_above_the_plan_are_not_a_reason_to_replan(
     assert replanner.tick() == []
     assert len(service.store.list_plans("toy")) == 1
     assert not [d for d in service.store.list_decisions("toy") if d.kind.startswith("capacity")]
+
+
+def test_an_app_that_buys_spot_is_planned_around_with_spot_as_every_plan_of_it(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    """An app whose spec buys spot is planned with spot by the API, the traffic and spot
+    re-planners alike (``plan_with_spot``): the capacity re-plan around a missing type made an
+    on-demand plan of it instead (the mix chosen at on-demand prices, none of it on spot), for
+    the same app, trace and caps."""
+    service, clock, resolver = world
+    document = {
+        **spec(budget=4.0, latency_ms=40.0),
+        "spot": {"enabled": True, "survive_share": 0.0},
+    }
+    planned = _apply(service, resolver, document)
+    first = service.store.get_applied_plan("toy")
+    assert first is not None and any(stage.spot_fleet for stage in first.plan.stages)
+    missing, _provisioner = _fail_busiest(service, planned)
+    reconciler = service.reconciler
+    assert reconciler is not None
+    replanner = CapacityReplanner(
+        service.store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        reconciler.capacity_misses,
+        after_s=AFTER_S,
+        spot_prices=provider_spot_prices(service.provisioner),
+    )
+    reconciler.run_once()
+    clock.advance(AFTER_S)
+    reconciler.run_once()
+    assert replanner.tick() == ["toy"]
+    applied = service.store.get_applied_plan("toy")
+    assert applied is not None and applied.plan.fleet.get(missing, 0) == 0
+
+    # What the API plans for the same app with the type capped at what runs of it (nothing).
+    resolved = resolver.resolve(service.store.get_app("toy").spec, check_budget=False)
+    capped = resolved.with_constraints(resolved.constraints.capped({missing: 0}))
+    trace, _ = planning_trace(capped, REQUEST)
+    now = provider_prices(capped, provider_spot_prices(service.provisioner))
+    expected = plan_with_spot(capped, trace, plan=plan_app, seed=REQUEST.seed, spot_prices=now)
+    assert any(stage.spot_fleet for stage in applied.plan.stages)
+    assert [(dict(s.fleet), dict(s.spot_fleet)) for s in applied.plan.stages] == [
+        (dict(s.fleet), dict(s.spot_fleet)) for s in expected.stages
+    ]
+    assert applied.document["spot_prices_source"] == expected.to_document()["spot_prices_source"]
