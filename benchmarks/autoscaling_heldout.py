@@ -400,9 +400,7 @@ def tuner_options(
         return options, "ladder" if ladders else "inferline"
     stage = plan.stages[0]
     sizes: dict[str, Any] = {"loads": QUICK_LADDER_LOADS, "burstiness": ()} if quick else {}
-    ladder, options = replay_sizing(
-        app, stage, planning, dispatch=stage.policy, seed=PLAN_SEED, **sizes
-    )
+    ladder, options = replay_sizing(app, stage, planning, seed=PLAN_SEED, **sizes)
     return options, "inferline" if ladder is None else "ladder"
 
 

@@ -75,6 +75,7 @@ except ModuleNotFoundError:  # run as a script: put the checkout on the path
     from benchmarks.results.inferline import BURSTY_CV2, bursty_profile
 
 from controlplane.policies.capacity_curve import LOAD_MODEL_RECENT_S, capacity_curve
+from controlplane.policies.pipeline import mix_dispatch
 from controlplane.policies.planner import plan_app
 from controlplane.policies.replay import parse_plan, replay, replay_timeline
 from controlplane.policies.tuner import DEFAULT_RECENT_S
@@ -146,7 +147,7 @@ def run_seed(
     if model == "curve":
         recent_s = LOAD_MODEL_RECENT_S
         stage = document.stages[0]
-        curve = capacity_curve(app, stage.name, planning, dispatch=stage.policy, seed=seed)
+        curve = capacity_curve(app, stage.name, planning, dispatch=mix_dispatch(stage), seed=seed)
         log(f"  capacity curve {[(f, round(m, 3)) for f, m in curve]}")
     oracles = {cv2: Oracle(app, shape, seed) for cv2, shape in shapes.items()}
     rows = []

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
             app,
             stage,
             ladder_trace,
-            dispatch=args.dispatch or stage.policy,
+            dispatch=args.dispatch,
             seed=args.seed,
             progress=progress,
         )

@@ -107,6 +107,7 @@ from controlplane.policies.capacity_curve import (
     cascade_sizing,
 )
 from controlplane.policies.lifecycle import InstanceState, is_profile_worker
+from controlplane.policies.pipeline import mix_dispatch
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.planner import MIN_ENVELOPE_WINDOW_S
 from controlplane.policies.replay import (
@@ -1040,7 +1041,7 @@ def _plan_ladder(
         app,
         stage.name,
         trace,
-        dispatch=stage.policy,
+        dispatch=mix_dispatch(stage),
         batch_size=stage.batch_size,
         seed=document.seed or 0,
         loads=loads,

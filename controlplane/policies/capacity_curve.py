@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from controlplane.policies.pipeline import mix_dispatch
 from controlplane.policies.plan import PlanDocument, StagePlan
 from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import (
@@ -325,7 +326,7 @@ def replay_sizing(
     stage: StagePlan,
     planning: Trace,
     *,
-    dispatch: str | None,
+    dispatch: str | None = None,
     seed: int = 0,
     burstiness: Sequence[float] = DEFAULT_BURSTINESS,
     loads: Sequence[float] = DEFAULT_LADDER_LOADS,
@@ -336,13 +337,15 @@ def replay_sizing(
     the load model's memory (:data:`LOAD_MODEL_RECENT_S`) and bursts shorter than
     :data:`estimator.envelope.DEFAULT_PERSISTENCE_S` read as noise; InferLine's 60 s memory
     where the planner places nothing at the planning rate (no ladder). ``loads``: the ladder's
-    rungs (:func:`build_ladder`). Returns (the ladder or None, keyword arguments of
+    rungs (:func:`build_ladder`); ``dispatch``: the replay's (None: the policy that dispatches
+    the stage's mixes, :func:`~controlplane.policies.pipeline.mix_dispatch`, as the live tuner's
+    ladder takes). Returns (the ladder or None, keyword arguments of
     :func:`controlplane.policies.replay.replay`)."""
     ladder = build_ladder(
         app,
         stage.name,
         planning,
-        dispatch=dispatch,
+        dispatch=dispatch if dispatch is not None else mix_dispatch(stage),
         batch_size=stage.batch_size,
         loads=loads,
         seed=seed,
@@ -381,7 +384,7 @@ def cascade_sizing(
     wanted = [
         LadderStage(
             stage.name,
-            dispatch if dispatch is not None else stage.policy,
+            dispatch if dispatch is not None else mix_dispatch(stage),
             stage.batch_size,
             tuple(t for t, n in stage.fleet.items() if n),
             target,

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.policies.plan import DispatchName
+from controlplane.policies.plan import DispatchName, StagePlan
 from controlplane.spec import ResolvedApp
 from estimator.cascades import answering_stage, with_sample_ids
 from estimator.policies import full_range_types, policy_class, policy_factory
@@ -44,6 +44,8 @@ __all__ = [
     "dispatch_choice",
     "dispatch_factory",
     "forward_flags",
+    "mix_dispatch",
+    "mix_policy",
     "pipeline_stages",
     "reaching_batch_sizes",
 ]
@@ -52,6 +54,29 @@ __all__ = [
 # over a mix of types (the plan may name another policy a plan may name).
 SINGLE_TYPE_POLICY: DispatchName = "fcfs"
 MIX_POLICY: DispatchName = "kairos"
+
+
+def mix_policy(
+    policy: DispatchName | None, planned_fleet: Mapping[str, int]
+) -> DispatchName | None:
+    """The dispatch a plan's stage names for a mix of types: its ``policy``, but None (the
+    planner's rule for a mix, :func:`dispatch_choice`: :data:`MIX_POLICY` where a type serves
+    every batch size within the SLO, FCFS where none does) where the plan placed one type. Such a
+    stage names FCFS by the single-type rule, which says nothing of a mix the tuner moves it to:
+    the sizing ladder's rungs of several types are the planner's under Kairos, and the live
+    dispatcher, the replay and the ladder's capacity model follow them.
+
+    >>> mix_policy("fcfs", {"a": 2}), mix_policy("fcfs", {"a": 2, "b": 1})
+    (None, 'fcfs')
+    """
+    return None if sum(1 for n in planned_fleet.values() if n) == 1 else policy
+
+
+def mix_dispatch(stage: StagePlan) -> DispatchName:
+    """The policy that dispatches ``stage``'s types when they are several (:func:`mix_policy`,
+    :data:`MIX_POLICY` by the planner's rule): the one a sizing ladder's capacity model is
+    that of, for the live tuner and the replay alike."""
+    return mix_policy(stage.policy, stage.fleet) or MIX_POLICY
 
 
 def answering_stages(

@@ -42,7 +42,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from controlplane.policies import scaling
-from controlplane.policies.pipeline import answering_stages, by_fleet, pipeline_stages
+from controlplane.policies.pipeline import (
+    answering_stages,
+    by_fleet,
+    dispatch_choice,
+    mix_policy,
+    pipeline_stages,
+)
 from controlplane.policies.plan import (
     DispatchName,
     PlanDocument,
@@ -1303,7 +1309,9 @@ def replay_timeline(
     profiles = {name: app.profile(stage.name, base.get(name, name)) for name in types}
     prices = {**app.prices_usd_per_hr, **(extra_prices_usd_per_hr or {})}
     qos_ms = app.constraints.slo_ms
-    chosen = dispatch if dispatch is not None else (stage.policy or "fcfs")
+    chosen = dispatch if dispatch is not None else mix_policy(stage.policy, stage.fleet)
+    if chosen is None:  # a plan of one type: the planner's rule over the types it runs
+        chosen, _ = dispatch_choice(None, profiles, prices, trace.batch_size, qos_ms)
     make_policy = _dispatch_factory(
         chosen, profiles, trace, qos_ms, prices, timeline.instances, stage
     )
@@ -1933,7 +1941,7 @@ def replay_pipeline(
                 stage.name,
                 fleet,
                 stage.batch_size,
-                dispatch if dispatch is not None else stage.policy,
+                dispatch if dispatch is not None else mix_policy(stage.policy, stage.fleet),
             )
             for stage, fleet in zip(stages, fleets, strict=True)
         ],

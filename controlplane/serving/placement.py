@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from controlplane.policies.load_balance import DemandPoint, balance, prune_placement
-from controlplane.policies.pipeline import MIX_POLICY, SINGLE_TYPE_POLICY
+from controlplane.policies.pipeline import MIX_POLICY, SINGLE_TYPE_POLICY, mix_policy
 from controlplane.policies.plan import StagePlan
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.shares import SHARE_POLICY, SharePolicy
@@ -82,17 +82,19 @@ def policy_name(
     prices_usd_per_hr: Mapping[str, float] | None = None,
 ) -> tuple[str, list[str]]:
     """The dispatch policy of a stage over the instance types in ``profiles`` and its base
-    types: the plan's when it names one, else the planner's rule (FCFS for one type; Kairos over
-    a mix); a policy that needs a base type runs when a type serves the whole batch range within
-    the SLO, else FCFS. The base types are in the plan's order (``StagePlan.base_types``, what
-    the planner simulated), those of them the stage has; types the plan does not rank (no plan
+    types: FCFS for one type; over a mix, the plan's, but where the plan placed one type the
+    planner's rule for a mix (Kairos; a plan of one type names FCFS by the single-type rule,
+    :func:`~controlplane.policies.pipeline.mix_policy`); a policy that needs a base type runs
+    when a type serves the whole batch range within the SLO, else FCFS. The base types are in
+    the plan's order (``StagePlan.base_types``, what the planner simulated), those of them the
+    stage has; types the plan does not rank (no plan
     yet, an older plan, a type the tuner added) follow the planner's rule, the most throughput
     per USD/hr first (Kairos' base-type rule, at batch size 1) where ``prices_usd_per_hr``
     prices every type, else by name."""
     types = sorted(profiles)
     if len(types) <= 1:
         return SINGLE_TYPE_POLICY, types
-    wanted = (plan.policy if plan is not None else None) or MIX_POLICY
+    wanted = (mix_policy(plan.policy, plan.fleet) if plan is not None else None) or MIX_POLICY
     if not policy_class(wanted).needs_base_type:
         return wanted, types
     prices = None

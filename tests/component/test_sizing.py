@@ -29,7 +29,12 @@ from controlplane.db.store import AppRecord, Store
 from controlplane.loops import live_tuner
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
-from controlplane.policies.capacity_curve import DEFAULT_BURSTINESS, build_ladder, cascade_sizing
+from controlplane.policies.capacity_curve import (
+    DEFAULT_BURSTINESS,
+    build_ladder,
+    cascade_sizing,
+    replay_sizing,
+)
 from controlplane.policies.pipeline import dispatch_choice
 from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
@@ -597,3 +602,31 @@ def test_the_live_dispatcher_judges_its_kairos_base_as_the_planner_does(
     placement.place(load_config(store, resolver, APP), {"tiny": stage})
     assert isinstance(stage.policy, KairosPolicy)
     assert (stage.policy_name, stage.policy.base_type) == ("kairos", LARGE)
+
+
+def test_a_one_type_plans_ladder_measures_its_mixes_as_the_planner_dispatches_them(
+    store: Store, tmp_path: Path
+) -> None:
+    """Planned at 80 qps on one large (FCFS, the single-type rule); at 1.25x the planner adds a
+    small and dispatches the mix by Kairos' matching. The ladder the live tuner and the replay
+    size with measures capacity by that dispatch's bound (the Kairos bound over the ladder's
+    types), as the live dispatcher and the replay now serve the mix; it took the plan's FCFS and
+    summed the rates, a unit no dispatcher of the mix ran."""
+    app = applied_plan(store, tmp_path, 80.0, 2.0)
+    record = store.get_applied_plan(APP)
+    assert record is not None
+    (planned,) = record.plan.stages
+    assert (dict(planned.fleet), planned.policy) == ({LARGE: 1}, "fcfs")
+    resolved = resolve(app)
+    loads = (1.0, 1.25)
+    live = live_tuner._plan_ladder(resolved, record, loads)
+    planning, _ = planning_trace(resolved, replanning_request(record.plan))
+    replayed, _ = replay_sizing(resolved, planned, planning, burstiness=(), loads=loads)
+    assert replayed is not None
+    mixed = dict(live.fleet_at(1.25))
+    assert mixed == {LARGE: 1, SMALL: 1}
+    rung = plan_app(resolved, scale_trace(planning, 1.25 * 80.0), seed=0).stages[0]
+    assert (dict(rung.fleet), rung.policy) == (mixed, "kairos")
+    for ladder in (live, replayed):
+        assert ladder.capacity_model is not None
+        assert ladder.capacity_qps(mixed) == pytest.approx(ladder.capacity_model(mixed))

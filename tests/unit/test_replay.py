@@ -226,6 +226,26 @@ def test_a_fleet_of_one_type_is_dispatched_fcfs_whatever_the_plan_names(tmp_path
     assert not np.array_equal(both[0].finish_s[early], both[1].finish_s[early])
 
 
+def test_a_mix_the_tuner_makes_of_a_one_type_plan_replays_as_the_planner_dispatches_it(
+    tmp_path: Path,
+) -> None:
+    # A plan of one type names FCFS by the single-type rule; the tuner's mix of it (a rung of
+    # the sizing ladder, which the planner dispatches by Kairos' matching) replays under the
+    # planner's rule for a mix, as the live dispatcher serves it: Kairos over the full-range
+    # base. It replayed FCFS, which the planner never ran on that mix.
+    app = app_of(tmp_path)
+    alone = parse_plan(plan_document({GPU: 1}, batch_size=2, policy="fcfs")).stages[0]
+    trace = trace_of(step_profile(110.0, 110.0, 0.0), 60.0)
+    mix = FleetTimeline((InstanceSpec(GPU), InstanceSpec(CPU)))
+
+    def finish(dispatch: str | None) -> np.ndarray:
+        rng = np.random.default_rng(0)
+        return replay_timeline(trace, app, alone, mix, rng, dispatch=dispatch).simulation.finish_s
+
+    assert np.array_equal(finish(None), finish("kairos"))
+    assert not np.array_equal(finish(None), finish("fcfs"))
+
+
 def test_fcfs_replays_the_fastest_idle_instance_first_as_served_live(tmp_path: Path) -> None:
     # docs/replay.md: FCFS serves the fastest idle instance first, as the live dispatcher (its
     # slots' speed ranks) and the planner do. The replay gave FCFS the full-range types as its

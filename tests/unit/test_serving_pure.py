@@ -502,6 +502,18 @@ def test_the_stage_policy_follows_the_planners_rule() -> None:
     assert policy_name(None, mix, 1.0)[0] == "fcfs"  # no type serves the range within the SLO
 
 
+def test_a_mix_the_tuner_makes_of_a_one_type_plan_is_served_as_the_planner_dispatches_it() -> None:
+    # A plan of one type names FCFS by the single-type rule; the planner dispatches a mix (the
+    # sizing ladder's rungs that add a type) by Kairos' matching over its full-range base, and so
+    # does the live stage once the tuner has added the type. It served the mix FCFS.
+    mix = {"a": _profile("a", 5.0), "b": _profile("b", 50.0)}
+    alone = StagePlan("m", Fleet.of({"a": 2}), 1, policy="fcfs", base_types=("a",))
+    assert policy_name(alone, {"a": mix["a"]}, 100.0) == ("fcfs", ["a"])
+    assert policy_name(alone, mix, 100.0) == policy_name(None, mix, 100.0)
+    assert policy_name(alone, mix, 100.0)[0] == "kairos"
+    assert policy_name(alone, mix, 1.0)[0] == "fcfs"  # no type serves the range within the SLO
+
+
 def test_types_no_plan_ranks_take_the_kairos_base_by_throughput_per_dollar() -> None:
     # Both types serve the whole range within the SLO; "a" is 4x faster and 50x dearer. By
     # throughput per USD/hr, the planner's rule, "b" is the base: a stage served before any
