@@ -147,8 +147,7 @@ def burstiness_replanning_request(document: PlanDocument) -> PlanRequest:
     the recorded arrivals' CV^2 in its trace statistics) is planned again on gamma arrivals of
     that CV^2 (at most the trace generator's bound) at its planned rate, not on a Poisson
     stand-in that would read it as smoother than it was. The rollout loop's plan after a
-    handover uses it; the capacity re-planner and the live tuner's ladders still take the
-    Poisson stand-in."""
+    handover, the capacity re-planner and the live tuner's ladders use it."""
     request = replanning_request(document)
     cv2 = (document.trace or {}).get("cv2")
     if request.trace is not None or not isinstance(cv2, int | float) or not math.isfinite(cv2):

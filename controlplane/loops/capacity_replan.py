@@ -47,10 +47,10 @@ from typing import Any
 
 from controlplane.apps.plans import (
     PlanRequest,
+    burstiness_replanning_request,
     planning_trace,
     provider_prices,
     rate_request,
-    replanning_request,
 )
 from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError, InvalidValueError, app_gone
@@ -239,10 +239,12 @@ def each_planned_app(
 
 
 def planning_request(plan: PlanRecord) -> PlanRequest:
-    """What ``plan`` was planned on (:func:`~controlplane.apps.plans.replanning_request`); a
-    stored trace request that is no longer usable gives way to the planned rate."""
+    """What ``plan`` was planned on (:func:`~controlplane.apps.plans.
+    burstiness_replanning_request`: a plan made on recorded traffic on gamma arrivals of its
+    recorded CV^2, as the rollout loop and the live tuner's ladders plan it again); a stored
+    trace request that is no longer usable gives way to the planned rate."""
     try:
-        return replanning_request(plan.plan)
+        return burstiness_replanning_request(plan.plan)
     except InvalidValueError as error:
         logger.warning("capacity: plan %s's trace request is not usable: %s", plan.id, error)
     return rate_request(plan.plan)

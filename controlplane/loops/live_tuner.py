@@ -87,7 +87,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from controlplane.apps.plans import planning_trace, replanning_request
+from controlplane.apps.plans import burstiness_replanning_request, planning_trace
 from controlplane.clock import Clock
 from controlplane.db.store import AppRecord, InstanceRecord, PlanRecord, Store
 from controlplane.errors import ControlPlaneError, NotFoundError, first_line
@@ -1008,7 +1008,7 @@ def plan_ladders(app: ResolvedApp, plan: PlanRecord) -> dict[str, SizingLadder]:
     if len(document.stages) == 1:
         ladder = plan_ladder(app, plan)
         return {ladder.stage: ladder}
-    trace, _ = planning_trace(app, replanning_request(document))
+    trace, _ = planning_trace(app, burstiness_replanning_request(document))
     ladders, _options = cascade_sizing(app, document, trace, seed=document.seed or 0)
     if not ladders:
         raise ValueError("the planner places no stage for the planning trace at its own rate")
@@ -1036,7 +1036,7 @@ def _plan_ladder(
     if len(document.stages) != 1:
         raise ValueError(f"plan {plan.id} has {len(document.stages)} stages, not one")
     (stage,) = document.stages
-    trace, _ = planning_trace(app, replanning_request(document))
+    trace, _ = planning_trace(app, burstiness_replanning_request(document))
     ladder = build_ladder(
         app,
         stage.name,

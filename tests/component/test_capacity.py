@@ -298,3 +298,31 @@ def test_an_app_that_buys_spot_is_planned_around_with_spot_as_every_plan_of_it(
         (dict(s.fleet), dict(s.spot_fleet)) for s in expected.stages
     ]
     assert applied.document["spot_prices_source"] == expected.to_document()["spot_prices_source"]
+
+
+def test_a_plan_made_on_recorded_traffic_is_planned_around_on_its_burstiness(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    """A plan the traffic re-planner made on recorded arrivals of CV^2 4 keeps their statistics,
+    no generator parameters: planned around a missing type on gamma arrivals of that CV^2, as
+    the rollout loop and the live tuner's ladders plan it again, where it took a Poisson trace
+    at its rate (CV^2 1)."""
+    service, clock, resolver = world
+    document = spec(budget=4.0, latency_ms=40.0)
+    _apply(service, resolver, document)
+    first = service.store.get_applied_plan("toy")
+    assert first is not None
+    recorded = {**first.document, "trace": {"source": "recorded traffic", "cv2": 4.0}}
+    service.store.apply_plan("toy", service.store.create_plan("toy", recorded).id)
+    missing, _provisioner = _fail_busiest(service, first.plan.fleet)
+    reconciler = service.reconciler
+    assert reconciler is not None
+    replanner = _replanner(service, resolver)
+    reconciler.run_once()
+    clock.advance(AFTER_S)
+    reconciler.run_once()
+    assert replanner.tick() == ["toy"]
+    applied = service.store.get_applied_plan("toy")
+    assert applied is not None and applied.plan.fleet.get(missing, 0) == 0
+    request = applied.document["trace"]["request"]
+    assert (request["kind"], request["cv2"]) == ("gamma", 4.0)

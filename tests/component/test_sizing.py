@@ -630,3 +630,22 @@ def test_a_one_type_plans_ladder_measures_its_mixes_as_the_planner_dispatches_th
     for ladder in (live, replayed):
         assert ladder.capacity_model is not None
         assert ladder.capacity_qps(mixed) == pytest.approx(ladder.capacity_model(mixed))
+
+
+def test_a_plan_made_on_recorded_traffic_is_laddered_on_its_burstiness(
+    store: Store, tmp_path: Path
+) -> None:
+    """A plan the traffic re-planner made on recorded arrivals of CV^2 4 stores no generator
+    parameters, only their statistics. The rollout loop plans it again on gamma arrivals of that
+    CV^2 (``burstiness_replanning_request``); the live tuner's ladder must be planned on the same
+    load, not on a Poisson stand-in (CV^2 1) that reads the traffic smoother than it was."""
+    app = applied_plan(store, tmp_path, RATE_QPS, 2.0)
+    record = store.get_applied_plan(APP)
+    assert record is not None
+    document = record.plan.to_document()
+    document["trace"] = {"source": "recorded traffic", "rate_qps": RATE_QPS, "cv2": 4.0}
+    store.apply_plan(APP, store.create_plan(APP, document).id)
+    recorded = store.get_applied_plan(APP)
+    assert recorded is not None
+    ladder = live_tuner.plan_ladder(resolve(app), recorded)
+    assert ladder.cv2 is not None and 2.5 < ladder.cv2 < 6.0
