@@ -1309,11 +1309,14 @@ def replay_timeline(
     profiles = {name: app.profile(stage.name, base.get(name, name)) for name in types}
     prices = {**app.prices_usd_per_hr, **(extra_prices_usd_per_hr or {})}
     qos_ms = app.constraints.slo_ms
+    # The base types are judged as the planner judges them: at the SLO less the service's own
+    # measured time per query (none offline).
+    base_ms = app.constraints.stage_slo_ms
     chosen = dispatch if dispatch is not None else mix_policy(stage.policy, stage.fleet)
     if chosen is None:  # a plan of one type: the planner's rule over the types it runs
-        chosen, _ = dispatch_choice(None, profiles, prices, trace.batch_size, qos_ms)
+        chosen, _ = dispatch_choice(None, profiles, prices, trace.batch_size, base_ms)
     make_policy = _dispatch_factory(
-        chosen, profiles, trace, qos_ms, prices, timeline.instances, stage
+        chosen, profiles, trace, base_ms, prices, timeline.instances, stage
     )
     sim_stage = Stage(
         model=stage.name,

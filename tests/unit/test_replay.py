@@ -246,6 +246,28 @@ def test_a_mix_the_tuner_makes_of_a_one_type_plan_replays_as_the_planner_dispatc
     assert not np.array_equal(finish(None), finish("fcfs"))
 
 
+def test_the_replays_kairos_base_is_judged_at_the_slo_less_the_services_own_time(
+    tmp_path: Path,
+) -> None:
+    # With 30 ms of the 50 ms SLO measured as the service's own, the planner's dispatch (and
+    # the live dispatcher's) takes the g4dn.xlarge alone as a full-range base: the r5n.large's
+    # 25 ms a query misses the 20 ms left. The replay judged the base at the whole SLO, where
+    # the r5n.large (more queries per USD/hr) came first.
+    plain = app_of(tmp_path)
+    app = dataclasses.replace(plain, serving_overhead_ms=30.0)
+    unranked = parse_plan(plan_document({GPU: 1, CPU: 1}, policy="kairos")).stages[0]
+    document = plan_document({GPU: 1, CPU: 1}, policy="kairos")
+    document["stages"][0]["base_types"] = [GPU]  # type: ignore[index]
+    ranked = parse_plan(document).stages[0]
+    mix = FleetTimeline((InstanceSpec(GPU), InstanceSpec(CPU)))
+    trace = trace_of(step_profile(110.0, 110.0, 0.0), 30.0)
+    measured = replay_timeline(trace, app, unranked, mix, np.random.default_rng(0))
+    as_planned = replay_timeline(trace, plain, ranked, mix, np.random.default_rng(0))
+    by_price = replay_timeline(trace, plain, unranked, mix, np.random.default_rng(0))
+    assert np.array_equal(measured.simulation.finish_s, as_planned.simulation.finish_s)
+    assert not np.array_equal(measured.simulation.finish_s, by_price.simulation.finish_s)
+
+
 def test_fcfs_replays_the_fastest_idle_instance_first_as_served_live(tmp_path: Path) -> None:
     # docs/replay.md: FCFS serves the fastest idle instance first, as the live dispatcher (its
     # slots' speed ranks) and the planner do. The replay gave FCFS the full-range types as its
