@@ -216,6 +216,8 @@ class AppResolver:
         # app -> (a token that changes whenever another document is read, its profiles, when it
         # was read, the document's text).
         self._measured: dict[str, tuple[int, ProfileSet | None, float, str]] = {}
+        # app -> how many times it was invalidated (:meth:`generation`).
+        self._generations: dict[str, int] = {}
 
     def invalidate(self, app: str) -> None:
         """Forget ``app``'s calibration factors, overhead and measured profiles: the next
@@ -224,6 +226,14 @@ class AppResolver:
             self._scales.pop(app, None)
             self._overheads.pop(app, None)
             self._measured.pop(app, None)
+            self._generations[app] = self._generations.get(app, 0) + 1
+
+    def generation(self, app: str) -> int:
+        """How many times ``app`` was invalidated (a calibration stored): a reader that keeps
+        what it resolved (the serving loop's dispatcher configuration) resolves again when it
+        moves, so that it serves on the calibrated profiles the plans and the tuner read."""
+        with self._lock:
+            return self._generations.get(app, 0)
 
     def _app_measured(self, app: str) -> tuple[int, ProfileSet | None]:
         """``app``'s measured profiles and a token naming them: kept for

@@ -106,10 +106,13 @@ class ServingSettings:
     dispatcher: DispatcherSettings = field(default_factory=DispatcherSettings)
 
 
-def _version(store: Store, app: str) -> tuple[object, ...]:
+def _version(store: Store, app: str, resolver: AppResolver) -> tuple[object, ...]:
+    """What the dispatcher's configuration of ``app`` was read from: its spec's version, its
+    applied plan and its calibrations (:meth:`AppResolver.generation`)."""
+    generation = resolver.generation(app)
     record = store.get_app(app)
     plan = store.get_applied_plan(app)
-    return (record.version, plan.id if plan is not None else None)
+    return (record.version, plan.id if plan is not None else None, generation)
 
 
 def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
@@ -122,6 +125,7 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
         NotFoundError: no such app.
         ServingUnavailableError: the spec no longer resolves (a profile file gone).
     """
+    generation = resolver.generation(app)  # before the resolve: a drift meanwhile reads again
     record = store.get_app(app)
     plan = store.get_applied_plan(app)
     try:
@@ -154,7 +158,7 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
         prices_usd_per_hr=dict(resolved.prices_usd_per_hr),
         validation=resolved.validation,
         stage_plans=stage_plans,
-        version=(record.version, plan.id if plan is not None else None),
+        version=(record.version, plan.id if plan is not None else None, generation),
         io=ios,
     )
 
@@ -562,7 +566,7 @@ class ServingLoop:
 
     async def _refresh_app(self, app: str, dispatcher: AppDispatcher) -> None:
         try:
-            version = await asyncio.to_thread(_version, self.store, app)
+            version = await asyncio.to_thread(_version, self.store, app, self.resolver)
             if version != dispatcher.config.version:
                 config = await asyncio.to_thread(load_config, self.store, self.resolver, app)
                 dispatcher.reconfigure(config)

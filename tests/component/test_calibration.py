@@ -29,10 +29,11 @@ from controlplane.service.build import (
 )
 from controlplane.serving.config import AppConfig
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings
+from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.modelio import ModelIO, Row, WorkerReply
 from controlplane.serving.observations import BATCH_TIMES_KEPT, Observations, Split
 from controlplane.serving.transport import HttpWorkerTransport, WorkerTransport
-from controlplane.serving.workers import WorkerEndpoint
+from controlplane.serving.workers import StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from estimator.cascades import Cascade
 from estimator.profiles import LatencyProfile
@@ -850,3 +851,41 @@ def test_the_serving_processs_cpu_per_query_is_stored_and_its_queue_is_in_the_pl
         plan_app(fronted, Trace(faster, np.ones(faster.size, dtype=np.int64)))
     with pytest.raises(InvalidValueError, match="cpu_ms"):
         store.set_serving_overhead(APP, 1.0, 100, cpu_ms=-1.0)
+
+
+def test_the_dispatcher_serves_on_the_calibrated_profiles_the_plans_and_the_tuner_read(
+    store: Store, tmp_path: Path
+) -> None:
+    """A drift the calibration stores (batches twice as slow as the profile) reaches every
+    reader of the resolver: the plans, the tuner, INFaaS's scaler, and the serving loop's
+    dispatcher, whose latency tables, admission predictions and Kairos base judge by the
+    profiles. The dispatcher kept the profiles it had read until the app's spec or plan
+    changed, while everything sizing the fleet read the calibrated ones."""
+    observations, resolver, loop = registered(store, tmp_path)
+
+    async def scenario() -> None:
+        serving = ServingLoop(
+            store,
+            resolver,
+            StaticInstances(),
+            clock=FakeClock(start_s=100.0),
+            settings=ServingSettings(refresh_s=3600.0),
+            observations=observations,
+        )
+        await serving.start()
+        try:
+            dispatcher = await serving.dispatcher(APP)
+            assert dispatcher.config.profiles["tiny"][SMALL].mean_latency_ms(1) == 20.0
+            serve(observations, 1, 40.0, 30)
+            serve(observations, 4, 100.0, 30)
+            assert [d.new_factor for d in loop.tick()] == [pytest.approx(2.0)]
+            assert mean_ms(resolver, store, 1) == pytest.approx(40.0)  # what the plans read
+            await serving.refresh()
+            dispatcher = await serving.dispatcher(APP)
+            assert dispatcher.config.profiles["tiny"][SMALL].mean_latency_ms(1) == pytest.approx(
+                40.0
+            )
+        finally:
+            await serving.stop()
+
+    asyncio.run(scenario())
