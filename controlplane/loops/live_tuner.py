@@ -685,7 +685,8 @@ class LiveTuner:
             types.update(fleet)
             scale = entry.scale_factor
             model = None
-            if has_matched_capacity(entry.policy, list(mu), batch):
+            # The mix is measured as it is dispatched: a one-type plan's by the planner's rule.
+            if has_matched_capacity(mix_dispatch(entry), list(mu), batch):
                 planning = synthetic_planning_arrivals(planned_rate)
                 ones = np.ones(planning.size, dtype=np.int64)
                 model = kairos_capacity_model(

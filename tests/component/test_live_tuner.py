@@ -494,6 +494,35 @@ def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     assert tuner.desired_fleet(store.get_app(APP)).get(LARGE, 0) >= 1
 
 
+def test_a_mix_reached_on_a_one_type_plan_is_measured_as_it_is_dispatched(
+    store: Store, tmp_path: Path
+) -> None:
+    """Restarted from a fleet of two small and a large (the sizing model's) on a plan of smalls
+    (FCFS, the single-type rule): the live dispatcher serves the mix by Kairos' matching (the
+    planner's rule for a mix), so InferLine's model measures the stage's capacity by the Kairos
+    bound, as for a plan that places the mix. It took the plan's FCFS and summed the rates."""
+    from controlplane.loops.live_tuner import FLEETS_AFTER
+    from controlplane.loops.reached import PLAN_ID
+
+    store.create_app({**spec(tmp_path, 0.5), "instance_types": [SMALL, LARGE]}, who="test")
+    plan = store.create_plan(APP, plan_document(2, 50.0))
+    store.apply_plan(APP, plan.id)
+    store.record_decision(
+        APP,
+        "scale_up",
+        "the sizing model's fleet",
+        {PLAN_ID: plan.id, FLEETS_AFTER: {"tiny": {SMALL: 2, LARGE: 1}},
+         "cost_usd_per_hr_after": 0.2},
+    )  # fmt: skip
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    tuner = LiveTuner(store, clock, feed, resolve, model="inferline")
+    feed.arrival_s = steady(100.0, 940.0, 1000.0)
+    tuner.tick()
+    (stage,) = tuner.stages(APP)
+    assert set(stage.rate_per_instance_qps) == {SMALL, LARGE}
+    assert stage.capacity_model is not None
+
+
 def test_a_tick_that_cannot_size_the_app_is_a_decision_and_the_next_sets_it_up_again(
     store: Store, tmp_path: Path
 ) -> None:
