@@ -73,6 +73,9 @@ class _ArtifactResolver:
     def resolve(self, *args: Any, **kwargs: Any) -> Any:
         return _WithArtifacts(self.inner.resolve(*args, **kwargs), self.signature)
 
+    def __getattr__(self, name: str) -> Any:  # the rest of the resolver (its generation)
+        return getattr(self.inner, name)
+
 
 def as_artifacts(world: ApiWorld, signature: ModelSignature) -> None:
     world.serving.resolver = _ArtifactResolver(world.serving.resolver, signature)  # type: ignore[assignment]
