@@ -56,12 +56,12 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from controlplane.clock import Clock
-from controlplane.db.store import AppRecord, InstanceRecord, Store
+from controlplane.db.store import AppRecord, InstanceRecord, PlanRecord, Store
 from controlplane.errors import NotFoundError
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
 from controlplane.policies.gears import (
@@ -473,15 +473,27 @@ class LiveGears:
                 cap_hold_s=self._cap_hold_s,
                 hysteresis=self._hysteresis,
             )
-            tracked = _AppGears(plan_record.id, plan, state, profiles)
-            tracked.looked_up = {t for m in plan.placement.order for t in plan.placement.fleets[m]}
-            self._record(
-                app.name,
-                tracked,
-                f"gear plan of plan {plan_record.id} in force: gear {state.gear} for"
-                f" {measured_qps:.3g} qps measured",
-                {"gear": state.gear, "measured_qps": measured_qps},
+            resumed = (
+                self._resumed(app.name, plan_record, state, now_s) if tracked is None else None
             )
+            tracked = _AppGears(plan_record.id, plan, resumed or state, profiles)
+            tracked.looked_up = {t for m in plan.placement.order for t in plan.placement.fleets[m]}
+            if resumed is not None:
+                logger.info(
+                    "gears: %s resumes gear %d of plan %d (%.3g qps measured)",
+                    app.name,
+                    resumed.gear,
+                    plan_record.id,
+                    measured_qps,
+                )
+            else:
+                self._record(
+                    app.name,
+                    tracked,
+                    f"gear plan of plan {plan_record.id} in force: gear {state.gear} for"
+                    f" {measured_qps:.3g} qps measured",
+                    {"gear": state.gear, "measured_qps": measured_qps},
+                )
         # The fleet: a profile run's or a rollout's workers serve no query of the app's own
         # stages, and the reconciler ends them first when the budget is short.
         kept = [
@@ -494,6 +506,35 @@ class LiveGears:
         self._look_up_profiles(app, tracked)
         tracked.budget_capped = budget_capped
         self._keep(app.name, tracked)
+
+    def _resumed(
+        self, app: str, plan_record: PlanRecord, start: GearSwitcher, now_s: float
+    ) -> GearSwitcher | None:
+        """The switcher as the newest ``gear_switch`` decision left it on the applied plan
+        (its gear, and since when its cascade serves where it was a switch), for a switcher
+        that starts with the app already served by that plan's gears (a restarted loops process
+        or service, a new leader); None where there is none (the plan is new to the log, or
+        set aside since). Started afresh, a restart moved the gear to the one of the load
+        measured then, with no hold and no dwell: a load in a gear's dead band moved down at the
+        restart and back up seconds later."""
+        if plan_record.applied_at is None:
+            return None
+        found = self._store.list_decisions(app, kinds=["gear_switch"], limit=1)
+        if not found:
+            return None
+        last = found[-1]
+        gear = last.numbers.get("gear")
+        if (
+            last.at < plan_record.applied_at
+            or last.numbers.get("plan_id", plan_record.id) != plan_record.id
+            or type(gear) is not int
+            or not 0 <= gear < len(start.plan.gears)
+        ):
+            return None
+        since_s = start.since_s  # the start of a plan is no switch: no dwell
+        if "previous" in last.numbers:
+            since_s = now_s - max(0.0, (self._clock.utcnow() - last.at).total_seconds())
+        return replace(start, gear=gear, since_s=since_s)
 
     def _switch_app(
         self, app: str, tracked: _AppGears, now_s: float, status: AppStatus | None
@@ -571,6 +612,7 @@ class LiveGears:
             f"{reason} ({cascade.label})",
             {
                 **numbers,
+                "plan_id": tracked.plan_id,
                 "cascade": cascade.label,
                 "accuracy": tracked.state.option.quality.accuracy,
             },

@@ -27,6 +27,7 @@ from controlplane.policies.gears import (
     Hysteresis,
 )
 from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
+from controlplane.serving.states import ModelState
 from estimator.cascades import Cascade, CascadeQuality
 from tests.unit import cascade_support as family
 
@@ -130,7 +131,8 @@ class Loop:
             WorkerStatus(f"i-{k}", TYPE, f"10.0.0.{k}:8000", k < self.ready, False, "")
             for k in range(self.ready + self.down)
         )
-        hosts = {w.instance_id: "active" for w in workers}  # every worker in both stages
+        # every worker in both stages
+        hosts: dict[str, ModelState] = {w.instance_id: "active" for w in workers}
         stages = tuple(
             StageStatus(
                 m, self.queue if m == "tiny" else 0, 0, 0, self.capacity[m], "fcfs", 1, hosts
@@ -743,3 +745,46 @@ def test_a_spec_serving_another_cascade_sets_the_gear_plan_aside(
     loop.rate(15.0, clock.now_s())
     gears.tick()
     assert gears.gear(APP) is not None
+
+
+def test_a_restarted_switcher_resumes_the_gear_in_force(tmp_path: Path) -> None:
+    """A switcher started anew on a plan that already serves (a restarted loops process or
+    service, a new leader) resumes the gear and the dwell the log says, where it started from
+    the load measured then: a tester's loops process killed at 9 qps, in the dead band of a gear
+    from 10.4 qps, moved the gear down at the restart and back up 7 s later."""
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(url)
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    store = Store.from_url(url, clock)  # the decisions' times on the switcher's clock
+
+    def run(gears: LiveGears, rate_qps: float, seconds: float) -> list[Any]:
+        """The producer every 100 ms at a steady ``rate_qps`` for ``seconds``: its switches."""
+        switched = []
+        for _ in range(round(seconds * 10)):
+            loop.rate(rate_qps, clock.now_s())
+            switched += gears.tick()
+            clock.advance(0.1)
+        return switched
+
+    try:
+        applied(store, tmp_path, PLAN.to_document())
+        gears = switcher(store, clock, loop, hysteresis=None)
+        assert run(gears, 10.0, 1.0) == []
+        assert [d.gear for d in run(gears, 30.0, 1.0)] == [1]
+        assert run(gears, 18.0, 60.0) == []  # in the fast gear's band (its range starts at 20)
+        recorded = len(gear_log(store))
+
+        restarted = switcher(store, clock, loop, hysteresis=None)
+        assert run(restarted, 18.0, 10.0) == []
+        assert restarted.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+        assert len(gear_log(store)) == recorded  # the restart is no switch
+
+        # Restarted 2 s after a switch up, the switch's dwell still holds the gear.
+        assert [d.gear for d in run(restarted, 10.0, 40.0)] == [0]
+        assert [d.gear for d in run(restarted, 30.0, 2.0)] == [1]
+        again = switcher(store, clock, loop, hysteresis=None)
+        assert run(again, 5.0, 15.0) == []  # the hold is over, not the 30 s dwell
+        assert again.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+        assert [(d.previous, d.gear) for d in run(again, 5.0, 15.0)] == [(1, 0)]
+    finally:
+        store.close()
