@@ -57,6 +57,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -78,6 +79,7 @@ from controlplane.policies.gears import (
     switch,
 )
 from controlplane.policies.lifecycle import KEPT_STATES, is_profile_worker
+from controlplane.policies.variants import percent_places
 from controlplane.serving.config import batch_gear
 from controlplane.serving.dispatcher import AppStatus, ServingGear
 from estimator.errors import EstimatorError
@@ -222,6 +224,23 @@ def kept_share(
     return pooled_share(groups, rates, demand)
 
 
+def _under_floor(document: Mapping[str, Any], floor: float) -> list[str]:
+    """The cascades (with their accuracy) that gears of the gear plan ``document`` serve under
+    ``floor``: the accuracy each gear states, held-out where the plan was scored on held-out
+    records (the figure a floor is checked against, ``GearOption.accuracy``)."""
+    missed: dict[str, str] = {}
+    for gear in document.get("gears", ()):
+        if not isinstance(gear, Mapping):
+            continue
+        accuracy = gear.get("held_out_accuracy")
+        if not isinstance(accuracy, int | float):
+            accuracy = gear.get("accuracy")
+        if isinstance(accuracy, int | float) and accuracy < floor:
+            label = str(gear.get("cascade"))
+            missed[label] = f"{label} ({100 * accuracy:.{percent_places(accuracy, floor)}f}%)"
+    return list(missed.values())
+
+
 class LiveGears:
     """CascadeServe's gear switcher over every app whose applied plan has a gear plan
     (thread-safe: :meth:`gear` is read by the serving loop, :meth:`refresh` and
@@ -257,9 +276,9 @@ class LiveGears:
         self._hysteresis = Hysteresis() if hysteresis is None else hysteresis
         self._apps: dict[str, _AppGears] = {}
         self._serving: dict[str, ServingGear] = {}
-        # Per app, the (plan id, the spec's serving order) whose gear plan was set aside because
-        # the spec's cascade is not the plan's any more (recorded once, not every refresh).
-        self._set_aside: dict[str, tuple[int, tuple[str, ...]]] = {}
+        # Per app, the (plan id, the spec's serving order, its accuracy floor) whose gear plan was
+        # set aside because the spec changed under it (recorded once, not every refresh).
+        self._set_aside: dict[str, tuple[int, tuple[str, ...], object]] = {}
         self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
         self._ticking = threading.RLock()  # one refresh or switch at a time
         # The spot prices now (the reconciler's, docs/spot.md): the affordable share costs spot
@@ -396,29 +415,54 @@ class LiveGears:
             self._apps.pop(app, None)
             self._serving.pop(app, None)
 
-    def _aside(self, app: AppRecord, plan_id: int, planned: tuple[str, ...]) -> bool:
-        """Whether the applied plan's gear plan is set aside because the app's spec now serves
-        another cascade than the gear plan's ``planned`` order (models or order replaced by ``PUT``
-        or ``app apply`` since the plan was made): its gears were chosen among the old models,
-        and the spec's own cascade serves until a plan is made for the new one. Recorded as a
-        ``gear_switch`` once per plan and cascade."""
+    def _aside(self, app: AppRecord, plan_id: int, document: Mapping[str, Any]) -> bool:
+        """Whether the applied plan's gear plan (``document``) is set aside because the app's
+        spec changed under it since the plan was made (``PUT`` or ``app apply``): it serves
+        another cascade than the gear plan's order (its gears were chosen among the old models),
+        or asks an accuracy floor (``slo.accuracy``) that the plan was not made for and that a
+        gear of it misses (its accuracy, held-out where the plan has it, below the floor). The
+        spec's own cascade serves until a plan is made for the new spec. Recorded as a
+        ``gear_switch`` once per plan and spec."""
         spec = app.spec
         cascade = spec.get("cascade")
         if not isinstance(cascade, list):
             cascade = [m.get("name") for m in spec.get("models", ()) if isinstance(m, Mapping)]
         serving = tuple(str(m) for m in cascade)
-        if serving == planned:
+        order = document.get("order")
+        planned = tuple(str(m) for m in order) if isinstance(order, list) else ()
+        slo = spec.get("slo")
+        floor = slo.get("accuracy") if isinstance(slo, Mapping) else None
+        why = None
+        if planned and serving != planned:
+            why = (
+                f"it was made for the cascade {' -> '.join(planned)}, the spec now serves"
+                f" {' -> '.join(serving)} (its own thresholds)"
+            )
+        elif isinstance(floor, int | float) and floor != document.get("accuracy_floor"):
+            missed = _under_floor(document, float(floor))
+            if missed:
+                made = document.get("accuracy_floor")
+                made_for = (
+                    "no accuracy floor"
+                    if not isinstance(made, int | float)
+                    else f"an accuracy floor of {100 * made:g}%"
+                )
+                why = (
+                    f"it was made for {made_for}, the spec now asks {100 * floor:g}%, which"
+                    f" {', '.join(missed)} {'misses' if len(missed) == 1 else 'miss'} (the"
+                    " spec's own cascade and thresholds serve)"
+                )
+        if why is None:
             self._set_aside.pop(app.name, None)
             return False
-        if self._set_aside.get(app.name) != (plan_id, serving):
-            self._set_aside[app.name] = (plan_id, serving)
+        if self._set_aside.get(app.name) != (plan_id, serving, floor):
+            self._set_aside[app.name] = (plan_id, serving, floor)
             self._forget(app.name)
             self._store.record_decision(
                 app.name,
                 "gear_switch",
-                f"gear plan of plan {plan_id} set aside: it was made for the cascade"
-                f" {' -> '.join(planned)}, the spec now serves {' -> '.join(serving)} (its own"
-                " thresholds); plan the app again for gears of this cascade",
+                f"gear plan of plan {plan_id} set aside: {why}; plan the app again for gears"
+                " of this spec",
                 {"plan_id": plan_id, "cascade": " -> ".join(serving)},
             )
         return True
@@ -440,9 +484,7 @@ class LiveGears:
             self._forget(app.name)
             self._set_aside.pop(app.name, None)
             return
-        order = document.get("order")
-        planned = tuple(str(m) for m in order) if isinstance(order, list) else ()
-        if planned and self._aside(app, plan_record.id, planned):
+        if self._aside(app, plan_record.id, document):
             return
         with self._lock:
             tracked = self._apps.get(app.name)

@@ -747,6 +747,42 @@ def test_a_spec_serving_another_cascade_sets_the_gear_plan_aside(
     assert gears.gear(APP) is not None
 
 
+def test_a_spec_raising_the_accuracy_floor_past_a_gear_sets_the_gear_plan_aside(
+    store: Store, tmp_path: Path
+) -> None:
+    """A spec replaced with an accuracy floor (`slo.accuracy`) the plan was not made for kept
+    the old gears in force, unlogged: a tester's demo, planned with no floor, served tiny@0.9 ->
+    medium (97.49% held-out) under a new floor of 98%. A floor that a gear misses sets the gear
+    plan aside now, once; one every gear meets keeps it."""
+    clock, loop, gears = started(store, tmp_path)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    spec = dict(store.get_app(APP).spec)
+    store.update_app(APP, {**spec, "slo": {**spec["slo"], "accuracy": 0.85}}, who="test")
+    clock.advance(1.0)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]  # 90% >= 85%
+
+    store.update_app(APP, {**spec, "slo": {**spec["slo"], "accuracy": 0.95}}, who="test")
+    for _ in range(2):
+        clock.advance(1.0)
+        loop.rate(60.0, clock.now_s())
+        gears.tick()
+        assert gears.gear(APP) is None and APP not in gears.in_force()
+    aside = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason]
+    assert len(aside) == 1
+    assert "made for no accuracy floor, the spec now asks 95%, which tiny (90.00%) misses" in (
+        aside[0].reason
+    )
+    store.update_app(APP, spec, who="test")
+    clock.advance(1.0)
+    loop.rate(60.0, clock.now_s())
+    gears.tick()
+    assert gears.gear(APP) is not None
+
+
 def test_a_restarted_switcher_resumes_the_gear_in_force(tmp_path: Path) -> None:
     """A switcher started anew on a plan that already serves (a restarted loops process or
     service, a new leader) resumes the gear and the dwell the log says, where it started from
