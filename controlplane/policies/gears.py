@@ -1031,6 +1031,10 @@ class GearSwitcher:
     cap_hold_s: float = DEFAULT_CAP_HOLD_S
     hysteresis: Hysteresis = field(default_factory=Hysteresis)
     below_since_s: float | None = None
+    # The highest effective load read since ``below_since_s`` (the gear a move down goes to is
+    # that of it, not of the tick that ends the hold: a dip then chose a gear the load left
+    # again seconds later).
+    below_peak_qps: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.gear < len(self.plan.gears):
@@ -1113,7 +1117,9 @@ def switch(
     share w, the state's :class:`Hysteresis`. Up: at q >= hi the target is the gear of q's
     range; a switch to another cascade waits until that has been ``up_dwell_s`` since the last
     switch (a move within the cascade does not wait). Down: at q < lo (1 - w) the target is the
-    gear of q / (1 - w); the move waits until q has stayed below lo (1 - w) for ``down_hold_s``,
+    gear of p / (1 - w), p the highest q read since q fell below lo (1 - w) (a reading that dips
+    at the end of the hold does not choose the gear); the move waits until q has stayed below
+    lo (1 - w) for ``down_hold_s``,
     while measured_qps < alpha x first_queue_len (CascadeServe's rule: the backlog of the
     high-QPS interval drains first) and while the budget cap holds (``budget_capped`` now or
     within ``cap_hold_s``); a switch to another cascade also until ``down_dwell_s`` since the
@@ -1153,9 +1159,12 @@ def switch(
     # long, where the load the budget could not buy may have ended (a gear held at zero load).
     capped_now = budget_capped and effective >= line
     capped_until = now_s + state.cap_hold_s if capped_now else state.capped_until_s
-    below_since = None
+    below_since, below_peak = None, 0.0
     if current > 0 and effective < line:
-        below_since = now_s if state.below_since_s is None else state.below_since_s
+        if state.below_since_s is None:
+            below_since, below_peak = now_s, effective
+        else:
+            below_since, below_peak = state.below_since_s, max(state.below_peak_qps, effective)
     in_force_s = now_s - state.since_s
     gear, reason = current, f"{seen}: gear {current} holds"
     up = plan.gear_for(effective)
@@ -1168,7 +1177,7 @@ def switch(
                 f" s of the {rule.up_dwell_s:g} s before a switch up"
             )
     elif below_since is not None:
-        down = min(current - 1, plan.gear_for(effective / (1.0 - rule.band_share)))
+        down = min(current - 1, plan.gear_for(below_peak / (1.0 - rule.band_share)))
         held_s = now_s - below_since
         if held_s < rule.down_hold_s:
             reason = (
@@ -1192,6 +1201,8 @@ def switch(
             )
         else:
             gear, reason = down, f"{seen}: down from gear {current} to {down}"
+            if below_peak > effective:
+                reason += f" (the gear of the most read over the hold, {below_peak:.6g} qps)"
     switched = gear != current and not same_cascade(plan, current, gear)
     decision = GearDecision(
         now_s, gear, current, measured_qps, effective, first_queue_len, reason, switched
@@ -1202,6 +1213,7 @@ def switch(
         since_s=now_s if switched else state.since_s,
         capped_until_s=capped_until,
         below_since_s=below_since if gear == current else None,
+        below_peak_qps=below_peak if gear == current else 0.0,
     )
     return decision, following
 

@@ -161,3 +161,24 @@ def test_a_budget_cut_switches_up_without_waiting_for_the_dwell() -> None:
     assert decision.gear == 0 and "before a switch up" in decision.reason
     decision, _ = switch(5.0, 0, state, 11.0, capacity_share=0.25, budget_cut=True)
     assert (decision.gear, decision.switched) == (2, True)
+
+
+def test_a_move_down_goes_to_the_gear_of_the_most_read_over_the_hold() -> None:
+    """The gear a move down goes to is that of the highest load read while it held below the
+    band, not of the reading that ends the hold: live, on the demo, a load held at about 11.5
+    qps on the planned capacity (below the band of a gear from 15.7) dipped to 9.3 as the hold
+    ended, the switcher moved to the accurate cascade of [9.4, 12.6) and back up 5.1 s later."""
+    plan = fake_plan()  # ranges of 10 qps, each gear its own cascade
+    state = GearSwitcher(plan, gear=3, since_s=-100.0)  # [30, 40): its band ends at 22.5
+
+    def load(t: float) -> float:  # 21 qps, one low reading as the hold ends
+        return 10.0 if DEFAULT_DOWN_HOLD_S <= t < DEFAULT_DOWN_HOLD_S + TICK_S else 21.0
+
+    decisions, state = drive(state, load, DEFAULT_DOWN_HOLD_S + 1.0)
+    # 21 / 0.75 = 28: gear 2 (the dip, 10 / 0.75 = 13.3, would be gear 1).
+    assert switches(decisions) == [(3, 2)]
+    (down,) = [d for d in decisions if d.switched]
+    assert "the gear of the most read over the hold, 21 qps" in down.reason
+    # 21 qps stays within gear 2 and above its band (15): no switch back up, nor further down.
+    decisions, state = drive(state, lambda _t: 21.0, 120.0, start_s=DEFAULT_DOWN_HOLD_S + 1.0)
+    assert switches(decisions) == [] and state.gear == 2
