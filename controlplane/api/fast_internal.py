@@ -97,7 +97,9 @@ class FastInternalMiddleware:
             except ValidationError:
                 parsed = None
         table = services.gear_table
-        if parsed is None or (table is not None and table.reads_store(parsed.gears)):
+        if parsed is None or (
+            table is not None and parsed.gears is not None and table.reads_store(parsed.gears)
+        ):
             await self.app(scope, replay(body, more, receive), send)
             return
         payload = dumps(feed_document(services, parsed))

@@ -280,6 +280,7 @@ class LiveGears:
         # set aside because the spec changed under it (recorded once, not every refresh).
         self._set_aside: dict[str, tuple[int, tuple[str, ...], object]] = {}
         self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
+        self._refreshed = False  # whether refresh has read the store once
         self._ticking = threading.RLock()  # one refresh or switch at a time
         # The spot prices now (the reconciler's, docs/spot.md): the affordable share costs spot
         # instances at them, so that a spot price rise past the budget moves the gear before
@@ -330,6 +331,13 @@ class LiveGears:
                 gone = [name for name in self._apps if name not in listed]
             for name in gone:
                 self._forget(name)
+            self._refreshed = True
+
+    def refreshed(self) -> bool:
+        """Whether :meth:`refresh` has read the store once: until then :meth:`in_force` names
+        no app, not for want of gears (a loops process running apart sends the serving process
+        no gears until then, :class:`~controlplane.loops.remote_serving.RemoteServing`)."""
+        return self._refreshed
 
     def switch_tick(self) -> list[GearDecision]:
         """One producer evaluation (every ``gear_interval_s``) for every tracked app, on the
@@ -490,9 +498,21 @@ class LiveGears:
             tracked = self._apps.get(app.name)
         if tracked is None or tracked.plan_id != plan_record.id:
             measured_qps = self._measured_qps(app.name, now_s)
-            if measured_qps is None:  # not served yet: nothing measured, nothing to switch
-                return
+            if measured_qps is None and tracked is not None:
+                return  # the new plan not served yet: nothing measured, nothing to switch
             plan = GearPlan.from_document(document)
+            state = start_switcher(
+                plan,
+                expected_qps=measured_qps or 0.0,
+                alpha=self._alpha,
+                cap_hold_s=self._cap_hold_s,
+                hysteresis=self._hysteresis,
+            )
+            resumed = (
+                self._resumed(app.name, plan_record, state, now_s) if tracked is None else None
+            )
+            if measured_qps is None and resumed is None:
+                return  # not served yet: nothing measured, nothing to switch
             resolved = self._resolve(app)
             profiles = {
                 m: {t: resolved.profile(m, t) for t in plan.placement.fleets[m]}
@@ -508,25 +528,17 @@ class LiveGears:
                     if t not in profiles[m]:
                         with contextlib.suppress(EstimatorError, KeyError, ValueError):
                             profiles[m][t] = resolved.profile(m, t)
-            state = start_switcher(
-                plan,
-                expected_qps=measured_qps,
-                alpha=self._alpha,
-                cap_hold_s=self._cap_hold_s,
-                hysteresis=self._hysteresis,
-            )
-            resumed = (
-                self._resumed(app.name, plan_record, state, now_s) if tracked is None else None
-            )
             tracked = _AppGears(plan_record.id, plan, resumed or state, profiles)
             tracked.looked_up = {t for m in plan.placement.order for t in plan.placement.fleets[m]}
             if resumed is not None:
+                # Resumed where the serving process serves the app by it (a restarted loops
+                # process sends it at its first feed after this refresh), measured or not yet.
                 logger.info(
-                    "gears: %s resumes gear %d of plan %d (%.3g qps measured)",
+                    "gears: %s resumes gear %d of plan %d (%s qps measured)",
                     app.name,
                     resumed.gear,
                     plan_record.id,
-                    measured_qps,
+                    "no" if measured_qps is None else f"{measured_qps:.3g}",
                 )
             else:
                 self._record(

@@ -197,6 +197,12 @@ class RemoteServing:
         self.gears: Callable[[], Mapping[str, tuple[int, int]]] = dict
         # The tuner's batch caps of single-model apps (LiveTuner.batch_caps), sent with the gears.
         self.batch_caps: Callable[[], Mapping[str, Mapping[str, int]]] = dict
+        # Whether the gears and batch caps are known yet (the switcher has read the store once,
+        # after the tuner: LiveGears.refreshed); until then the feed leaves them out, and the
+        # serving process keeps those it serves (a restarted loops process sent none at its
+        # first exchanges, and the serving process served every app by its spec for a second
+        # or two).
+        self.gears_known: Callable[[], bool] = lambda: True
         self._client = client if client is not None else httpx.Client(timeout=_TIMEOUT_S)
         self._base = f"{self.url}/internal/v1"
         self._headers = {"Authorization": f"Bearer {token}"}
@@ -260,12 +266,10 @@ class RemoteServing:
         with self._lock:
             since = {app: float(a[-1]) for app, a in self._arrivals.items() if a.size}
             recalibrated, self._recalibrated = self._recalibrated, set()
-        body = {
-            "since_s": since,
-            "gears": {app: list(pair) for app, pair in self.gears().items()},
-            "batch_caps": {app: dict(caps) for app, caps in self.batch_caps().items()},
-            "recalibrated": sorted(recalibrated),
-        }
+        body: dict[str, Any] = {"since_s": since, "recalibrated": sorted(recalibrated)}
+        if self.gears_known():
+            body["gears"] = {app: list(pair) for app, pair in self.gears().items()}
+            body["batch_caps"] = {app: dict(caps) for app, caps in self.batch_caps().items()}
         found = self.call("POST", "/feed", body)
         if found is None:
             with self._lock:

@@ -848,6 +848,7 @@ def build_service(
     if remote is not None:
         remote.gears = live_gears.in_force
         remote.batch_caps = live_tuner.batch_caps
+        remote.gears_known = live_gears.refreshed
     reconciler = build_reconciler(
         store,
         clock,

@@ -120,5 +120,9 @@ def test_a_gear_whose_plan_is_not_read_yet_is_set_by_the_route_then_kept_on_the_
     assert len(fast_feeds) == 2
     served = loop.gears(APP)
     assert served is not None and served.cascade != FAST.cascade
+    # A feed that leaves the gears out keeps them (a loops process whose switcher has not read
+    # the store yet); one that names none serves the app by its spec.
     assert client.post("/internal/v1/feed", json={}, headers=LOOPS).status_code == 200
-    assert loop.gears(APP) is None and len(fast_feeds) == 3
+    assert loop.gears(APP) is not None and len(fast_feeds) == 3
+    assert client.post("/internal/v1/feed", json={"gears": {}}, headers=LOOPS).status_code == 200
+    assert loop.gears(APP) is None and len(fast_feeds) == 4

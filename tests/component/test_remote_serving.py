@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -205,6 +206,42 @@ def test_the_gear_the_loops_send_with_the_feed_is_the_one_the_serving_loop_serve
     assert served is not None and served.cascade == FAST.cascade
     remote.gears = dict  # the switcher no longer serves it by gears
     assert remote.pull() and loop.gears(APP) is None
+
+
+def test_a_restarted_loops_process_keeps_the_gear_the_serving_loop_serves(
+    serving: tuple[ServingLoop, TestClient, dict[str, str]], tmp_path: Path
+) -> None:
+    """A loops process restarted sent no gears at its first exchanges, before its switcher had
+    read the store, and the serving process served the app by its spec for a second or two (a
+    tester's demo: tiny@0.4 -> medium@0.4 -> large between two stretches of its plan's gear).
+    The feed leaves the gears out until the switcher has read the store, which resumes the gear
+    the log names even before the app's arrivals come."""
+    from controlplane.loops.live_gears import LiveGears
+    from tests.component.test_live_gears import APP, FAST, PLAN, applied, switcher
+
+    loop, client, tokens = serving
+    store = loop.store
+    applied(store, tmp_path, PLAN.to_document())
+    plan = store.get_applied_plan(APP)
+    assert plan is not None and loop.gears is not None
+    before = RemoteServing("http://testserver", tokens["admin"], FakeClock(), client=client)
+    before.gears = lambda: {APP: (plan.id, 1)}  # the fast gear, as its switcher logged it
+    store.record_decision(
+        APP, "gear_switch", "up from gear 0 to 1", {"gear": 1, "previous": 0, "plan_id": plan.id}
+    )
+    assert before.pull() and loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+
+    clock = FakeClock(start_s=50.0)
+    remote = RemoteServing("http://testserver", tokens["admin"], clock, client=client)
+    view = SimpleNamespace(arrivals=remote.observed_arrivals, statuses=remote.statuses)
+    gears: LiveGears = switcher(store, clock, view)  # type: ignore[arg-type]
+    remote.gears, remote.gears_known = gears.in_force, gears.refreshed
+    assert remote.pull()  # before the switcher's first refresh
+    assert loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    gears.refresh()
+    assert gears.in_force() == {APP: (plan.id, 1)}
+    assert remote.pull() and loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    remote.close()
 
 
 def test_the_tuners_batch_cap_crosses_the_feed_to_the_serving_loop(

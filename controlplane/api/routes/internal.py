@@ -53,10 +53,10 @@ class FeedIn(BaseModel):
     model_config = _INTERNAL
 
     since_s: dict[str, Annotated[float, Field(allow_inf_nan=False)]] = Field(default_factory=dict)
-    gears: dict[str, tuple[int, int]] = Field(default_factory=dict)
-    batch_caps: dict[str, dict[str, Annotated[int, Field(ge=1, le=MAX_BATCH_CAP)]]] = Field(
-        default_factory=dict
-    )
+    # None (left out): the loops process does not know them yet (its switcher has not read the
+    # store since it started), and the serving process keeps the ones it serves.
+    gears: dict[str, tuple[int, int]] | None = None
+    batch_caps: dict[str, dict[str, Annotated[int, Field(ge=1, le=MAX_BATCH_CAP)]]] | None = None
     recalibrated: list[str] = Field(default_factory=list)
 
 
@@ -84,8 +84,10 @@ def feed_document(services: Services, body: FeedIn) -> dict[str, Any]:
     serving loop's event loop on the fast path."""
     serving = _serving(services)
     if services.gear_table is not None:
-        services.gear_table.set_all(body.gears)
-        services.gear_table.set_caps(body.batch_caps)
+        if body.gears is not None:
+            services.gear_table.set_all(body.gears)
+        if body.batch_caps is not None:
+            services.gear_table.set_caps(body.batch_caps)
     for app in body.recalibrated:
         services.resolver.invalidate(app)
     statuses = {status.app: status for status in serving.statuses()}
