@@ -528,6 +528,22 @@ class LiveGears:
                     if t not in profiles[m]:
                         with contextlib.suppress(EstimatorError, KeyError, ValueError):
                             profiles[m][t] = resolved.profile(m, t)
+            share = 1.0
+            if resumed is None and measured_qps is not None:
+                # The gear of the load on the capacity that serves (the tuner's workers past the
+                # placement lift it): started on the measured rate alone, a fleet the tuner had
+                # doubled started in a faster gear than its load needs, and the first switch
+                # came a hold later.
+                status = next((s for s in self._statuses() if s.app == app.name), None)
+                if status is not None and any(s.capacity_sps > 0 for s in status.stages):
+                    share = ready_share(plan, status, profiles)
+                    state = start_switcher(
+                        plan,
+                        expected_qps=measured_qps / share,
+                        alpha=self._alpha,
+                        cap_hold_s=self._cap_hold_s,
+                        hysteresis=self._hysteresis,
+                    )
             tracked = _AppGears(plan_record.id, plan, resumed or state, profiles)
             tracked.looked_up = {t for m in plan.placement.order for t in plan.placement.fleets[m]}
             if resumed is not None:
@@ -541,12 +557,18 @@ class LiveGears:
                     "no" if measured_qps is None else f"{measured_qps:.3g}",
                 )
             else:
+                measured = measured_qps or 0.0  # measured: not resumed
+                on = (
+                    ""
+                    if share == 1.0
+                    else f", {measured / share:.3g} qps on the planned capacity (share {share:.3g})"
+                )
                 self._record(
                     app.name,
                     tracked,
                     f"gear plan of plan {plan_record.id} in force: gear {state.gear} for"
-                    f" {measured_qps:.3g} qps measured",
-                    {"gear": state.gear, "measured_qps": measured_qps},
+                    f" {measured:.3g} qps measured{on}",
+                    {"gear": state.gear, "measured_qps": measured, "capacity_share": share},
                 )
         # The fleet: a profile run's or a rollout's workers serve no query of the app's own
         # stages, and the reconciler ends them first when the budget is short.

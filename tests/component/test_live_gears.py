@@ -783,6 +783,24 @@ def test_a_spec_raising_the_accuracy_floor_past_a_gear_sets_the_gear_plan_aside(
     assert gears.gear(APP) is not None
 
 
+def test_a_plan_starts_in_the_gear_of_its_load_on_the_capacity_that_serves(
+    store: Store, tmp_path: Path
+) -> None:
+    """A plan applied while the tuner had doubled the fleet started in the gear of the measured
+    rate alone (a tester's demo: tiny at 20.6 qps, where the doubled fleet carried it in
+    tiny@0.9 -> medium), and moved a hold later; it starts on the capacity share now."""
+    applied(store, tmp_path, PLAN.to_document())
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    loop.ready = 2 * PLACED
+    gears = switcher(store, clock, loop, hysteresis=None)
+    loop.rate(30.0, clock.now_s())  # 15 qps on the planned capacity: the accurate gear's
+    assert gears.tick() == []
+    assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    (start,) = store.list_decisions(APP, kinds=["gear_switch"])
+    assert start.numbers["gear"] == 0 and start.numbers["capacity_share"] == pytest.approx(2.0)
+    assert "30 qps measured, 15 qps on the planned capacity (share 2)" in start.reason
+
+
 def test_a_restarted_switcher_resumes_the_gear_in_force(tmp_path: Path) -> None:
     """A switcher started anew on a plan that already serves (a restarted loops process or
     service, a new leader) resumes the gear and the dwell the log says, where it started from
