@@ -1202,7 +1202,7 @@ def switch(
         else:
             gear, reason = down, f"{seen}: down from gear {current} to {down}"
             if below_peak > effective:
-                reason += f" (the gear of the most read over the hold, {below_peak:.6g} qps)"
+                reason += f" (the gear of {below_peak:.6g} qps, the highest read over the hold)"
     switched = gear != current and not same_cascade(plan, current, gear)
     decision = GearDecision(
         now_s, gear, current, measured_qps, effective, first_queue_len, reason, switched

@@ -178,7 +178,7 @@ def test_a_move_down_goes_to_the_gear_of_the_most_read_over_the_hold() -> None:
     # 21 / 0.75 = 28: gear 2 (the dip, 10 / 0.75 = 13.3, would be gear 1).
     assert switches(decisions) == [(3, 2)]
     (down,) = [d for d in decisions if d.switched]
-    assert "the gear of the most read over the hold, 21 qps" in down.reason
+    assert "(the gear of 21 qps, the highest read over the hold)" in down.reason
     # 21 qps stays within gear 2 and above its band (15): no switch back up, nor further down.
     decisions, state = drive(state, lambda _t: 21.0, 120.0, start_s=DEFAULT_DOWN_HOLD_S + 1.0)
     assert switches(decisions) == [] and state.gear == 2
