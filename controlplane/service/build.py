@@ -848,7 +848,9 @@ def build_service(
     if remote is not None:
         remote.gears = live_gears.in_force
         remote.batch_caps = live_tuner.batch_caps
-        remote.gears_known = live_gears.refreshed
+        # A standby sends none: its switcher does not run, and its empty gears undid the
+        # leader's at every other exchange.
+        remote.gears_known = lambda: leadership.role == "leader" and live_gears.refreshed()
     reconciler = build_reconciler(
         store,
         clock,

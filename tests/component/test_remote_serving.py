@@ -215,7 +215,9 @@ def test_a_restarted_loops_process_keeps_the_gear_the_serving_loop_serves(
     read the store, and the serving process served the app by its spec for a second or two (a
     tester's demo: tiny@0.4 -> medium@0.4 -> large between two stretches of its plan's gear).
     The feed leaves the gears out until the switcher has read the store, which resumes the gear
-    the log names even before the app's arrivals come."""
+    the log names even before the app's arrivals come. (A standby loops process, whose switcher
+    never runs, sent none at every exchange: the app flapped between its spec's cascade and
+    its gear several times a second.)"""
     from controlplane.loops.live_gears import LiveGears
     from tests.component.test_live_gears import APP, FAST, PLAN, applied, switcher
 
@@ -236,8 +238,9 @@ def test_a_restarted_loops_process_keeps_the_gear_the_serving_loop_serves(
     view = SimpleNamespace(arrivals=remote.observed_arrivals, statuses=remote.statuses)
     gears: LiveGears = switcher(store, clock, view)  # type: ignore[arg-type]
     remote.gears, remote.gears_known = gears.in_force, gears.refreshed
-    assert remote.pull()  # before the switcher's first refresh
-    assert loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    for _ in range(3):  # before the switcher's first refresh (as a standby's, every exchange)
+        assert remote.pull() and before.pull()
+        assert loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
     gears.refresh()
     assert gears.in_force() == {APP: (plan.id, 1)}
     assert remote.pull() and loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
