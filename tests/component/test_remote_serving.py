@@ -239,7 +239,7 @@ def test_a_restarted_loops_process_keeps_the_gear_the_serving_loop_serves(
     gears: LiveGears = switcher(store, clock, view)  # type: ignore[arg-type]
     remote.gears, remote.gears_known = gears.in_force, gears.refreshed
     for _ in range(3):  # before the switcher's first refresh (as a standby's, every exchange)
-        assert remote.pull() and before.pull()
+        assert before.pull() and remote.pull()
         assert loop.gears(APP).cascade == FAST.cascade  # type: ignore[union-attr]
     gears.refresh()
     assert gears.in_force() == {APP: (plan.id, 1)}
