@@ -466,13 +466,20 @@ class LiveGears:
         if self._set_aside.get(app.name) != (plan_id, serving, floor):
             self._set_aside[app.name] = (plan_id, serving, floor)
             self._forget(app.name)
-            self._store.record_decision(
-                app.name,
-                "gear_switch",
-                f"gear plan of plan {plan_id} set aside: {why}; plan the app again for gears"
-                " of this spec",
-                {"plan_id": plan_id, "cascade": " -> ".join(serving)},
+            reason = (
+                f"gear plan of plan {plan_id} set aside: {why}; plan the app again for gears of"
+                " this spec"
             )
+            # Said already where the log's newest gear decision says it (a restarted loops
+            # process, a new leader: each recorded it again at its first refresh).
+            newest = self._store.list_decisions(app.name, kinds=["gear_switch"], limit=1)
+            if not newest or newest[-1].reason != reason:
+                self._store.record_decision(
+                    app.name,
+                    "gear_switch",
+                    reason,
+                    {"plan_id": plan_id, "cascade": " -> ".join(serving)},
+                )
         return True
 
     def _measured_qps(self, app: str, now_s: float) -> float | None:

@@ -776,6 +776,13 @@ def test_a_spec_raising_the_accuracy_floor_past_a_gear_sets_the_gear_plan_aside(
     assert "made for no accuracy floor, the spec now asks 95%, which tiny (90.00%) misses" in (
         aside[0].reason
     )
+    # A restarted switcher (a loops process, a new leader) does not say it again.
+    restarted = switcher(store, clock, loop)
+    clock.advance(1.0)
+    loop.rate(60.0, clock.now_s())
+    restarted.tick()
+    assert restarted.gear(APP) is None
+    assert sum("aside" in d.reason for d in store.list_decisions(APP, kinds=["gear_switch"])) == 1
     store.update_app(APP, spec, who="test")
     clock.advance(1.0)
     loop.rate(60.0, clock.now_s())
