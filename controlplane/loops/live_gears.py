@@ -62,8 +62,8 @@ from typing import Any
 import numpy as np
 
 from controlplane.clock import Clock
-from controlplane.db.store import AppRecord, InstanceRecord, PlanRecord, Store
-from controlplane.errors import NotFoundError
+from controlplane.db.store import AppRecord, DecisionRecord, InstanceRecord, PlanRecord, Store
+from controlplane.errors import ControlPlaneError, NotFoundError
 from controlplane.loops.live_tuner import ArrivalSource, ResolveFn
 from controlplane.policies.gears import (
     ALPHA,
@@ -85,7 +85,7 @@ from controlplane.serving.dispatcher import AppStatus, ServingGear
 from estimator.errors import EstimatorError
 from estimator.profiles import LatencyProfile
 
-__all__ = ["DEFAULT_WINDOW_S", "GearTable", "LiveGears"]
+__all__ = ["DEFAULT_WINDOW_S", "GearTable", "LiveGears", "logged_gear"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +222,27 @@ def kept_share(
     models = frozenset(plan.placement.order)
     groups = {(instance_type, models): count for instance_type, count in kept.items()}
     return pooled_share(groups, rates, demand)
+
+
+def logged_gear(store: Store, app: str, plan: PlanRecord, gears: int) -> DecisionRecord | None:
+    """The newest ``gear_switch`` decision of ``app`` where it names a gear (of ``gears``) of
+    ``plan`` since it was applied: the gear in force when the switcher that made it stopped;
+    None where the newest names none (a set-aside, the plan new to the log)."""
+    if plan.applied_at is None:
+        return None
+    found = store.list_decisions(app, kinds=["gear_switch"], limit=1)
+    if not found:
+        return None
+    last = found[-1]
+    gear = last.numbers.get("gear")
+    if (
+        last.at < plan.applied_at
+        or last.numbers.get("plan_id", plan.id) != plan.id
+        or type(gear) is not int
+        or not 0 <= gear < gears
+    ):
+        return None
+    return last
 
 
 def _under_floor(document: Mapping[str, Any], floor: float) -> list[str]:
@@ -600,20 +621,10 @@ class LiveGears:
         set aside since). Started afresh, a restart moved the gear to the one of the load
         measured then, with no hold and no dwell: a load in a gear's dead band moved down at the
         restart and back up seconds later."""
-        if plan_record.applied_at is None:
+        last = logged_gear(self._store, app, plan_record, len(start.plan.gears))
+        if last is None:
             return None
-        found = self._store.list_decisions(app, kinds=["gear_switch"], limit=1)
-        if not found:
-            return None
-        last = found[-1]
-        gear = last.numbers.get("gear")
-        if (
-            last.at < plan_record.applied_at
-            or last.numbers.get("plan_id", plan_record.id) != plan_record.id
-            or type(gear) is not int
-            or not 0 <= gear < len(start.plan.gears)
-        ):
-            return None
+        gear = int(last.numbers["gear"])
         since_s = start.since_s  # the start of a plan is no switch: no dwell
         if "previous" in last.numbers:
             since_s = now_s - max(0.0, (self._clock.utcnow() - last.at).total_seconds())
@@ -729,6 +740,28 @@ class GearTable:
             found = self._serving.get(app)
             capped = self._caps.get(app)
         return found[2] if found is not None else capped
+
+    def resume(self) -> None:
+        """Serve each app by the gear its log names (:func:`logged_gear`) until the loops
+        process sends the gears (blocking: reads the store; the serving process's start). A
+        serving process started served every geared app by its spec's cascade until the loops
+        process it starts had read the store, about 3 s on the demo."""
+        in_force: dict[str, tuple[int, int]] = {}
+        try:
+            for app in self._store.list_apps():
+                if app.applied_plan_id is None:
+                    continue
+                record = self._store.get_applied_plan(app.name)
+                plan = None if record is None else self._plan(app.name, record.id)
+                if record is None or plan is None:
+                    continue
+                last = logged_gear(self._store, app.name, record, len(plan.gears))
+                if last is not None:
+                    in_force[app.name] = (record.id, int(last.numbers["gear"]))
+        except ControlPlaneError as error:  # the loops process sends the gears all the same
+            logger.warning("gears: the gears in force were not read from the log: %s", error)
+            return
+        self.set_all(in_force)
 
     def set_caps(self, caps: Mapping[str, Mapping[str, int]]) -> None:
         """The batch caps the loops' tuner sets now, app -> {model: cap}

@@ -772,6 +772,7 @@ def build_service(
             store, resolver, ProvisionedInstances(store, provisioner), clock=clock
         )
         gear_table = GearTable(store)
+        gear_table.resume()  # the gears the log names, until the loops process sends them
         serving.gears = gear_table.gear
         # The rollouts' routes as the database says (the loops process moves the rollouts).
         routes = RolloutLoop(store, resolver, provisioner, clock, serving.versions)

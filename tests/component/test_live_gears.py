@@ -808,6 +808,30 @@ def test_a_plan_starts_in_the_gear_of_its_load_on_the_capacity_that_serves(
     assert "30 qps measured, 15 qps on the planned capacity (share 2)" in start.reason
 
 
+def test_a_serving_process_started_serves_the_gear_the_log_names(
+    store: Store, tmp_path: Path
+) -> None:
+    """A serving process started (the service restarted) served every geared app by its spec's
+    cascade until its loops process had read the store, about 3 s on a tester's demo: its gear
+    table starts from the gear the log names now, and names none after a set-aside."""
+    applied(store, tmp_path, PLAN.to_document())
+    plan = store.get_applied_plan(APP)
+    assert plan is not None
+    table = GearTable(store)
+    table.resume()
+    assert table.gear(APP) is None  # nothing in the log yet
+    store.record_decision(
+        APP, "gear_switch", "up from gear 0 to 1", {"gear": 1, "previous": 0, "plan_id": plan.id}
+    )
+    table = GearTable(store)
+    table.resume()
+    assert table.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
+    store.record_decision(APP, "gear_switch", "gear plan of plan 1 set aside: ...", {})
+    table = GearTable(store)
+    table.resume()
+    assert table.gear(APP) is None
+
+
 def test_a_restarted_switcher_resumes_the_gear_in_force(tmp_path: Path) -> None:
     """A switcher started anew on a plan that already serves (a restarted loops process or
     service, a new leader) resumes the gear and the dwell the log says, where it started from
