@@ -45,6 +45,9 @@ class _UnprofiledResolver:
     def resolve(self, *args: Any, **kwargs: Any) -> Any:
         return _Unprofiled(self.inner.resolve(*args, **kwargs), SIGNATURE)
 
+    def __getattr__(self, name: str) -> Any:  # the rest of the resolver (its generation)
+        return getattr(self.inner, name)
+
 
 def unprofiled(world: ApiWorld) -> None:
     world.serving.resolver = _UnprofiledResolver(world.serving.resolver)  # type: ignore[assignment]
