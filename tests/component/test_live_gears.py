@@ -168,6 +168,13 @@ def started(store: Store, tmp_path: Path) -> tuple[FakeClock, Loop, LiveGears]:
     return clock, loop, switcher(store, clock, loop)
 
 
+def a_second_at(rate_qps: float, clock: FakeClock, loop: Loop, gears: LiveGears) -> None:
+    """One more second of the loop measuring ``rate_qps``, then the switcher's tick."""
+    clock.advance(1.0)
+    loop.rate(rate_qps, clock.now_s())
+    gears.tick()
+
+
 def gear_log(store: Store) -> list[dict[str, Any]]:
     return [d.numbers for d in store.list_decisions(APP, kinds=["gear_switch"])]
 
@@ -416,9 +423,7 @@ def test_a_worker_serving_a_stage_its_type_is_placed_on_elsewhere_counts(
     )
     loop.rate(5.0, clock.now_s())
     gears.tick()
-    clock.advance(1.0)
-    loop.rate(5.0, clock.now_s())
-    gears.tick()
+    a_second_at(5.0, clock, loop, gears)
     # 5 qps on half the capacity reads as 10: the accurate gear's range.
     assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
     loop.rate(15.0, clock.now_s())
@@ -731,9 +736,7 @@ def test_a_spec_serving_another_cascade_sets_the_gear_plan_aside(
     spec = dict(store.get_app(APP).spec)
     store.update_app(APP, {**spec, "cascade": ["large", "tiny"]}, who="test")
     for _ in range(2):
-        clock.advance(1.0)
-        loop.rate(15.0, clock.now_s())
-        gears.tick()
+        a_second_at(15.0, clock, loop, gears)
         assert gears.gear(APP) is None and APP not in gears.in_force()
     aside = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason]
     assert len(aside) == 1
@@ -741,9 +744,7 @@ def test_a_spec_serving_another_cascade_sets_the_gear_plan_aside(
         aside[0].reason
     )
     store.update_app(APP, spec, who="test")
-    clock.advance(1.0)
-    loop.rate(15.0, clock.now_s())
-    gears.tick()
+    a_second_at(15.0, clock, loop, gears)
     assert gears.gear(APP) is not None
 
 
@@ -760,16 +761,12 @@ def test_a_spec_raising_the_accuracy_floor_past_a_gear_sets_the_gear_plan_aside(
     assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]
     spec = dict(store.get_app(APP).spec)
     store.update_app(APP, {**spec, "slo": {**spec["slo"], "accuracy": 0.85}}, who="test")
-    clock.advance(1.0)
-    loop.rate(60.0, clock.now_s())
-    gears.tick()
+    a_second_at(60.0, clock, loop, gears)
     assert gears.gear(APP).cascade == FAST.cascade  # type: ignore[union-attr]  # 90% >= 85%
 
     store.update_app(APP, {**spec, "slo": {**spec["slo"], "accuracy": 0.95}}, who="test")
     for _ in range(2):
-        clock.advance(1.0)
-        loop.rate(60.0, clock.now_s())
-        gears.tick()
+        a_second_at(60.0, clock, loop, gears)
         assert gears.gear(APP) is None and APP not in gears.in_force()
     aside = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason]
     assert len(aside) == 1
@@ -778,15 +775,11 @@ def test_a_spec_raising_the_accuracy_floor_past_a_gear_sets_the_gear_plan_aside(
     )
     # A restarted switcher (a loops process, a new leader) does not say it again.
     restarted = switcher(store, clock, loop)
-    clock.advance(1.0)
-    loop.rate(60.0, clock.now_s())
-    restarted.tick()
+    a_second_at(60.0, clock, loop, restarted)
     assert restarted.gear(APP) is None
     assert sum("aside" in d.reason for d in store.list_decisions(APP, kinds=["gear_switch"])) == 1
     store.update_app(APP, spec, who="test")
-    clock.advance(1.0)
-    loop.rate(60.0, clock.now_s())
-    gears.tick()
+    a_second_at(60.0, clock, loop, gears)
     assert gears.gear(APP) is not None
 
 

@@ -458,21 +458,8 @@ def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     tick after failed on its rate ("tuner: app left on its plan: 'emu.cpu.large'", 299 times in
     5 minutes, no scaling until a restart). The fresh set-up knows every type of the fleet it
     keeps; and a restart starts from a reached fleet that holds such a type."""
-    from controlplane.loops.live_tuner import FLEETS_AFTER
-    from controlplane.loops.reached import PLAN_ID
-
     clock, feed = FakeClock(start_s=1000.0), Feed()
-    store.create_app({**spec(tmp_path, 0.5), "instance_types": [SMALL, LARGE]}, who="test")
-    plan = store.create_plan(APP, plan_document(2, 50.0))
-    store.apply_plan(APP, plan.id)
-    # What the sizing model's scale-up left: two small and a large (0.2 USD/hr).
-    store.record_decision(
-        APP,
-        "scale_up",
-        "the sizing model's fleet",
-        {PLAN_ID: plan.id, FLEETS_AFTER: {"tiny": {SMALL: 2, LARGE: 1}},
-         "cost_usd_per_hr_after": 0.2},
-    )  # fmt: skip
+    reached_a_mix(store, tmp_path)
     factors: dict[tuple[str, str], float] = {}
 
     def recalibrated(record: AppRecord) -> Any:
@@ -494,17 +481,13 @@ def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     assert tuner.desired_fleet(store.get_app(APP)).get(LARGE, 0) >= 1
 
 
-def test_a_mix_reached_on_a_one_type_plan_is_measured_as_it_is_dispatched(
-    store: Store, tmp_path: Path
-) -> None:
-    """Restarted from a fleet of two small and a large (the sizing model's) on a plan of smalls
-    (FCFS, the single-type rule): the live dispatcher serves the mix by Kairos' matching (the
-    planner's rule for a mix), so InferLine's model measures the stage's capacity by the Kairos
-    bound, as for a plan that places the mix. It took the plan's FCFS and summed the rates."""
+def reached_a_mix(store: Store, folder: Path) -> None:
+    """The app on a plan of two emu.cpu.small, and in the log what the sizing model's scale-up
+    left: two small and a large (0.2 USD/hr), which a restarted tuner starts from."""
     from controlplane.loops.live_tuner import FLEETS_AFTER
     from controlplane.loops.reached import PLAN_ID
 
-    store.create_app({**spec(tmp_path, 0.5), "instance_types": [SMALL, LARGE]}, who="test")
+    store.create_app({**spec(folder, 0.5), "instance_types": [SMALL, LARGE]}, who="test")
     plan = store.create_plan(APP, plan_document(2, 50.0))
     store.apply_plan(APP, plan.id)
     store.record_decision(
@@ -514,6 +497,16 @@ def test_a_mix_reached_on_a_one_type_plan_is_measured_as_it_is_dispatched(
         {PLAN_ID: plan.id, FLEETS_AFTER: {"tiny": {SMALL: 2, LARGE: 1}},
          "cost_usd_per_hr_after": 0.2},
     )  # fmt: skip
+
+
+def test_a_mix_reached_on_a_one_type_plan_is_measured_as_it_is_dispatched(
+    store: Store, tmp_path: Path
+) -> None:
+    """Restarted from a fleet of two small and a large (the sizing model's) on a plan of smalls
+    (FCFS, the single-type rule): the live dispatcher serves the mix by Kairos' matching (the
+    planner's rule for a mix), so InferLine's model measures the stage's capacity by the Kairos
+    bound, as for a plan that places the mix. It took the plan's FCFS and summed the rates."""
+    reached_a_mix(store, tmp_path)
     clock, feed = FakeClock(start_s=1000.0), Feed()
     tuner = LiveTuner(store, clock, feed, resolve, model="inferline")
     feed.arrival_s = steady(100.0, 940.0, 1000.0)
