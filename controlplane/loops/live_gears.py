@@ -301,7 +301,10 @@ class LiveGears:
         # set aside because the spec changed under it (recorded once, not every refresh).
         self._set_aside: dict[str, tuple[int, tuple[str, ...], object]] = {}
         self._lock = threading.Lock()  # _apps and _serving (read by the serving loop)
-        self._refreshed = False  # whether refresh has read the store once
+        # The leader term in which refresh last read the store (None: not yet). ``term`` says
+        # the term now (a loops process's leader lease, ``Leadership.terms``; one term without).
+        self._refreshed: int | None = None
+        self.term: Callable[[], int] = lambda: 0
         self._ticking = threading.RLock()  # one refresh or switch at a time
         # The spot prices now (the reconciler's, docs/spot.md): the affordable share costs spot
         # instances at them, so that a spot price rise past the budget moves the gear before
@@ -335,6 +338,14 @@ class LiveGears:
         it now) are kept for :meth:`switch_tick`. ``apps``: the tick's snapshot of the store's
         apps, else read now."""
         with self._ticking:
+            term = self.term()
+            if self._refreshed is not None and self._refreshed != term:
+                # Led again after a term of another replica's: what it tracked is of before
+                # that (the other's switches are in the log), so it starts again from the log.
+                with self._lock:
+                    self._apps.clear()
+                    self._serving.clear()
+                self._set_aside.clear()
             now_s = self._clock.now_s()
             listed = set()
             for app in self._store.list_apps() if apps is None else apps:
@@ -352,19 +363,23 @@ class LiveGears:
                 gone = [name for name in self._apps if name not in listed]
             for name in gone:
                 self._forget(name)
-            self._refreshed = True
+            self._refreshed = term
 
     def refreshed(self) -> bool:
-        """Whether :meth:`refresh` has read the store once: until then :meth:`in_force` names
-        no app, not for want of gears (a loops process running apart sends the serving process
-        no gears until then, :class:`~controlplane.loops.remote_serving.RemoteServing`)."""
-        return self._refreshed
+        """Whether :meth:`refresh` has read the store in the leader term now (:attr:`term`):
+        until then :meth:`in_force` names no app, not for want of gears, or names what the
+        switcher tracked before another replica led (a loops process running apart sends the
+        serving process no gears until then,
+        :class:`~controlplane.loops.remote_serving.RemoteServing`)."""
+        return self._refreshed is not None and self._refreshed == self.term()
 
     def switch_tick(self) -> list[GearDecision]:
         """One producer evaluation (every ``gear_interval_s``) for every tracked app, on the
         state the last :meth:`refresh` cached and the serving loop's memory: no store reads;
         a switch is recorded. The decisions that switched a gear's cascade."""
         with self._ticking:
+            if not self.refreshed():
+                return []  # led again: the switcher tracks nothing before its refresh reads
             now_s = self._clock.now_s()
             with self._lock:
                 tracked_apps = list(self._apps.items())

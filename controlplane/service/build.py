@@ -342,6 +342,19 @@ def _either_gear(first: GearHook, second: GearHook) -> GearHook:
     return gear
 
 
+def gears_by_lease(
+    live_gears: LiveGears, leadership: Leadership, remote: RemoteServing | None
+) -> None:
+    """Tie the gear switcher to the leader lease: it knows its gears only once it has read
+    the store in the lease's term now (a replica that leads again resumes them from the log,
+    where it sent at once what it had tracked before another replica's term), and a loops
+    process running apart sends them (``remote``'s feed) only while it leads (a standby's
+    switcher does not run, and its empty gears undid the leader's at every other exchange)."""
+    live_gears.term = lambda: leadership.terms
+    if remote is not None:
+        remote.gears_known = lambda: leadership.role == "leader" and live_gears.refreshed()
+
+
 def build_live_tuner(
     settings: Settings,
     store: Store,
@@ -849,9 +862,7 @@ def build_service(
     if remote is not None:
         remote.gears = live_gears.in_force
         remote.batch_caps = live_tuner.batch_caps
-        # A standby sends none: its switcher does not run, and its empty gears undid the
-        # leader's at every other exchange.
-        remote.gears_known = lambda: leadership.role == "leader" and live_gears.refreshed()
+    gears_by_lease(live_gears, leadership, remote)
     reconciler = build_reconciler(
         store,
         clock,

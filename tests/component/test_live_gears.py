@@ -866,3 +866,84 @@ def test_a_restarted_switcher_resumes_the_gear_in_force(tmp_path: Path) -> None:
         assert [(d.previous, d.gear) for d in run(again, 5.0, 15.0)] == [(1, 0)]
     finally:
         store.close()
+
+
+def test_a_replica_that_leads_again_resumes_the_gear_from_the_log(tmp_path: Path) -> None:
+    """A loops process demoted, then leader again after another replica's term, kept what its
+    switcher had tracked before: it sent its old gear at once (the feed's gears are known once
+    the switcher has read the store) and went on from it, where the other leader had switched
+    since. Led again, it sends no gears and switches nothing until its refresh, which resumes
+    the gear the log names."""
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(url)
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    store = Store.from_url(url, clock)
+    try:
+        applied(store, tmp_path, PLAN.to_document())
+        plan = store.get_applied_plan(APP)
+        assert plan is not None
+        store.record_decision(
+            APP,
+            "gear_switch",
+            "up from gear 0 to 1",
+            {"gear": 1, "previous": 0, "plan_id": plan.id},
+        )
+        term = [1]
+        gears = switcher(store, clock, loop, hysteresis=None)
+        gears.term = lambda: term[0]
+        gears.refresh()
+        assert gears.refreshed() and gears.in_force() == {APP: (plan.id, 1)}
+
+        # Demoted; the other replica's switcher moves the gear down and logs it.
+        clock.advance(60.0)
+        store.record_decision(
+            APP,
+            "gear_switch",
+            "down from gear 1 to 0",
+            {"gear": 0, "previous": 1, "plan_id": plan.id},
+        )
+        term[0] = 2  # this replica leads again
+        assert not gears.refreshed()  # the feed leaves its gears out until it has read the store
+        loop.rate(30.0, clock.now_s())
+        assert gears.switch_tick() == []  # nothing switched on the state of before
+        gears.refresh()
+        assert gears.refreshed() and gears.in_force() == {APP: (plan.id, 0)}
+        assert gears.gear(APP).cascade == ACCURATE.cascade  # type: ignore[union-attr]
+    finally:
+        store.close()
+
+
+def test_the_feed_sends_gears_only_from_the_leader_that_has_read_the_store(
+    tmp_path: Path,
+) -> None:
+    """The service's wiring (gears_by_lease): a standby loops process sends no gears (its
+    switcher never runs; its empty gears undid the leader's at every other exchange), and a
+    replica that leads again sends none until its switcher has read the store in that term."""
+    from controlplane.loops.remote_serving import RemoteServing
+    from controlplane.service.build import gears_by_lease
+
+    url = f"sqlite:///{tmp_path / 'hp.db'}"
+    migrate.upgrade(url)
+    clock, loop = FakeClock(start_s=100.0), Loop()
+    store = Store.from_url(url, clock)
+    remote = RemoteServing("http://serving.invalid", "token", clock)
+    try:
+        applied(store, tmp_path, PLAN.to_document())
+        lease = SimpleNamespace(role="standby", terms=0)
+        gears = switcher(store, clock, loop, hysteresis=None)
+        gears_by_lease(gears, lease, remote)  # type: ignore[arg-type]
+        gears.refresh()  # a standby's switcher does not run; were it to, still no gears
+        assert not remote.gears_known()
+        lease.role, lease.terms = "leader", 1
+        assert not remote.gears_known()  # not read the store in this term yet
+        gears.refresh()
+        assert remote.gears_known()
+        lease.role = "standby"
+        assert not remote.gears_known()
+        lease.role, lease.terms = "leader", 2
+        assert not remote.gears_known()
+        gears.refresh()
+        assert remote.gears_known()
+    finally:
+        remote.close()
+        store.close()
