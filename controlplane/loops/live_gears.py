@@ -342,9 +342,9 @@ class LiveGears:
             if self._refreshed is not None and self._refreshed != term:
                 # Led again after a term of another replica's: what it tracked is of before
                 # that (the other's switches are in the log), so it starts again from the log.
+                # The gears it serves stay until this refresh has read each app again.
                 with self._lock:
                     self._apps.clear()
-                    self._serving.clear()
                 self._set_aside.clear()
             now_s = self._clock.now_s()
             listed = set()
@@ -361,6 +361,8 @@ class LiveGears:
                     self._forget(app.name)
             with self._lock:
                 gone = [name for name in self._apps if name not in listed]
+                # What it served before a term of another replica's and tracks no more.
+                gone += [name for name in self._serving if name not in self._apps]
             for name in gone:
                 self._forget(name)
             self._refreshed = term
