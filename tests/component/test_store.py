@@ -537,6 +537,26 @@ def test_a_decision_made_again_after_since_is_listed_since(store: Store, clock: 
     assert store.list_decisions("recs", since=T0 + timedelta(seconds=20)) == []
 
 
+def test_the_newest_decisions_count_one_made_again_by_its_last_time(
+    store: Store, clock: StepClock
+) -> None:
+    """``events --kind budget_capped --limit 1`` showed a cap made once, long over, where a cap
+    made again for 30 s more was the newest: ``limit`` ranked a repeated decision by its first
+    time. It ranks by the last (as ``since`` and retention judge it); the list stays oldest
+    first by first time."""
+    store.create_app(spec("recs"), who="alice")
+    store.record_decision("recs", "budget_capped", "capped", key="tiny:a")
+    clock.advance(5)
+    store.record_decision("recs", "budget_capped", "capped once", key="tiny:b")
+    for _ in range(6):
+        clock.advance(5)
+        store.record_decision("recs", "budget_capped", "capped", key="tiny:a")
+    (newest,) = store.list_decisions("recs", limit=1)
+    assert (newest.reason, newest.count) == ("capped", 7)
+    both = store.list_decisions("recs", limit=2)
+    assert [d.reason for d in both] == ["capped", "capped once"]  # oldest first, by first time
+
+
 def test_a_different_key_or_kind_or_app_is_a_new_decision(store: Store, clock: StepClock) -> None:
     store.create_app(spec("recs"), who="alice")
     store.create_app(spec("ads"), who="alice")

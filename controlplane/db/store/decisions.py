@@ -117,8 +117,8 @@ class DecisionStore(StoreBase):
         """The decisions (of ``app``), oldest first: made after ``since`` (a decision made
         again counts by its ``last_at``, as retention does: a failed launch repeated every 5 s
         for an hour is in its last 10 minutes), of ``kinds`` only and of none of ``exclude_kinds``,
-        filtered in the query, so ``limit`` (the newest that many) counts only the decisions
-        that pass."""
+        filtered in the query, so ``limit`` (the newest that many, a decision made again
+        counting by its ``last_at`` too) counts only the decisions that pass."""
         with transaction(self._sessions) as session:
             query = select(m.DecisionRow, m.App.name).join(m.App, m.App.id == m.DecisionRow.app_id)
             if app is not None:
@@ -130,7 +130,14 @@ class DecisionStore(StoreBase):
                 query = query.where(m.DecisionRow.kind.in_(list(kinds)))
             if exclude_kinds is not None:
                 query = query.where(m.DecisionRow.kind.not_in(list(exclude_kinds)))
-            rows = _newest_rows(session, query, m.DecisionRow.at, m.DecisionRow.id, limit)
+            # The newest by last time (a decision made again is as new as its last time, as
+            # ``since`` judges it), listed oldest first by first time.
+            if limit is None:
+                rows = _newest_rows(session, query, m.DecisionRow.at, m.DecisionRow.id, None)
+            else:
+                seen = func.coalesce(m.DecisionRow.last_at, m.DecisionRow.at)
+                rows = _newest_rows(session, query, seen, m.DecisionRow.id, limit)
+                rows.sort(key=lambda row: (row[0].at, row[0].id))
             return [_decision_record(decision, name) for decision, name in rows]
 
     @_translated
