@@ -492,7 +492,9 @@ class LiveTuner:
         arrivals = np.ascontiguousarray(observed, dtype=np.float64)
         waiting = self._store.list_instances(app.name, states=_NOT_SERVING_YET)
         start = _still_booting(tuned.state, waiting, now_s)
-        stages, reaches = self._live_reach(app.name, tuned.stages, tuned.reach_held)
+        stages, reaches = self._live_reach(
+            app.name, tuned.stages, tuned.config.planned_peak_rate_qps, tuned.reach_held
+        )
         decisions, state = tune(arrivals, now_s, start, stages, tuned.config)
         models = {stage.name: stage.model for stage in tuned.stages}
         recorded = []
@@ -551,7 +553,11 @@ class LiveTuner:
         return recorded
 
     def _live_reach(
-        self, app: str, stages: Sequence[TunerStage], held: Collection[str] = ()
+        self,
+        app: str,
+        stages: Sequence[TunerStage],
+        peak_qps: float,
+        held: Collection[str] = (),
     ) -> tuple[list[TunerStage], dict[str, dict[str, float]]]:
         """``stages`` with each later stage of a cascade on InferLine's model sized for the reach
         the serving loop measured at the spec's thresholds (:func:`live_reach`; ``held``: the
@@ -589,7 +595,12 @@ class LiveTuner:
                 "samples": float(status.reach_samples) if status is not None else 0.0,
             }
             out.append(
-                dataclasses.replace(stage, scale_factor=share, planned_share=stage.scale_factor)
+                dataclasses.replace(
+                    stage,
+                    scale_factor=share,
+                    planned_share=stage.scale_factor,
+                    utilisation_target=_whole_rho(stage, peak_qps),
+                )
             )
         return out, used
 
@@ -967,6 +978,24 @@ def live_reach(
     # A stage nothing reaches keeps a scale factor above 0 (a stage's is > 0): its fleet
     # falls to its minimum all the same.
     return min(max(observed, MIN_REACH), 1.0)
+
+
+def _whole_rho(stage: TunerStage, peak_qps: float) -> float:
+    """The utilisation target of a stage sized for a live reach: the plan's, or the one between
+    its planned fleet and that fleet less an instance (:func:`utilisation_target`'s
+    ``whole_instances``, as the replay's InferLine cascades take it) where higher. A later
+    stage planned at one whole instance for a small planned share reads a tiny utilisation
+    (0.09 on the demo's medium model), and a live reach seven times the plan's bought eleven
+    times the capacity its live load needed."""
+    whole = utilisation_target(
+        stage.fleet,
+        stage.rate_per_instance_qps,
+        stage.scale_factor,
+        peak_qps,
+        stage.capacity_model,
+        whole_instances=True,
+    )
+    return max(stage.utilisation_target, whole)
 
 
 def _reach_words(reach: Mapping[str, float]) -> str:
