@@ -125,6 +125,7 @@ class LoopsProcess:
         self._mutex = threading.Lock()
         self._stopping = threading.Event()
         self._signalled = False
+        self._begun = False  # begin_stop was called (a plain flag: no lock in a signal handler)
         self._thread: threading.Thread | None = None
 
     @property
@@ -143,7 +144,15 @@ class LoopsProcess:
     def begin_stop(self, signum: int = signal.SIGTERM) -> None:
         """Stop supervising and send the child ``signum`` without waiting for it, so that it
         finishes its running jobs while the serving process drains its requests (a signal
-        handler's call: it does not block). :meth:`stop` then waits; once is enough."""
+        handler's call: it does not block). :meth:`stop` then waits; once is enough.
+
+        A second call returns at once: it is a signal handler's, and a second signal (a
+        ``pkill`` that reached ``timeout`` and the process both, which ``timeout`` forwards)
+        runs it on the main thread while the first still holds the event's or the mutex's lock,
+        neither of which a thread may take twice: the demo hung in its stop for good."""
+        if self._begun:
+            return
+        self._begun = True
         self._stopping.set()
         with self._mutex:
             process, self._signalled = self._process, True

@@ -54,3 +54,28 @@ def test_the_loops_child_is_not_forced_out_by_a_second_signal() -> None:
     alone.handle_exit(signal.SIGINT, None)
     alone.handle_exit(signal.SIGINT, None)
     assert alone.force_exit
+
+
+def test_a_second_signal_inside_the_first_ones_stop_does_not_hang_it() -> None:
+    """``pkill -f 'demo --port P'`` reached ``timeout`` and the demo both, and ``timeout``
+    forwarded its SIGTERM: the second signal ran the handler on the main thread while the
+    first still held the stop event's lock, and the demo hung in its stop for good. Here the
+    first call holds that lock (as the interrupted handler did) while a second comes: it must
+    return without taking it."""
+    import threading
+
+    from controlplane.cli.loops_process import LoopsProcess
+
+    loops = LoopsProcess.__new__(LoopsProcess)  # no child: the stop's own locking is tested
+    loops._stopping = threading.Event()
+    loops._mutex = threading.Lock()
+    loops._process = None
+    loops._signalled = False
+    loops._begun = False
+    loops.begin_stop(signal.SIGTERM)
+    with loops._stopping._cond, loops._mutex:  # the first handler, interrupted inside them
+        second = threading.Thread(target=loops.begin_stop, args=(signal.SIGTERM,), daemon=True)
+        second.start()
+        second.join(timeout=30.0)
+        assert not second.is_alive()  # it returned; before, it waited on the locks forever
+    assert loops._stopping.is_set() and loops._signalled
