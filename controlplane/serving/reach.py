@@ -84,14 +84,9 @@ class ReachMeter:
         self._bucket_s = window_s / buckets
         self._counts: dict[str, deque[_Bucket]] = {m: deque() for m in self.thresholds}
 
-    def threshold(self, model: str) -> float | None:
-        """The spec's threshold for ``model``; None for the last model or one not in the spec's
-        cascade (nothing of its answers is counted)."""
-        return self.thresholds.get(model)
-
     def spec(self, model: str) -> tuple[int, float] | None:
         """``model``'s position in the spec's cascade and its threshold there; None for the
-        last model or one not in the spec's cascade (as :meth:`threshold`)."""
+        last model or one not in the spec's cascade (nothing of its answers is counted)."""
         position = self._positions.get(model)
         return None if position is None else (position, self.thresholds[model])
 

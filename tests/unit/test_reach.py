@@ -18,7 +18,7 @@ def test_a_later_models_reach_is_the_product_of_the_shares_below_before_it() -> 
     # b saw 40 of the 50 that a's share sends it: they stand for 160 of a's samples.
     assert reach["c"] == (pytest.approx(0.25 * 0.75), 160)
     assert "a" not in reach
-    assert meter.threshold("c") is None and meter.threshold("a") == 0.5
+    assert meter.spec("c") is None and meter.spec("a") == (0, 0.5)
 
 
 def test_a_model_with_no_answers_in_the_window_leaves_the_ones_after_it_unknown() -> None:
