@@ -73,13 +73,30 @@ def _apply(
     return record.plan.fleet
 
 
-def _replanner(service: Service, resolver: AppResolver) -> CapacityReplanner:
+def _replanner(service: Service, resolver: AppResolver, **options: Any) -> CapacityReplanner:
     return CapacityReplanner(
         service.store,
         lambda app: resolver.resolve(app.spec, check_budget=False),
         service.reconciler.capacity_misses,
         after_s=AFTER_S,
+        **options,
     )
+
+
+def _replanned_around(
+    service: Service, clock: Any, replanner: CapacityReplanner, missing: str
+) -> Any:
+    """The launches of ``missing`` fail for :data:`AFTER_S`, the re-planner re-plans "toy"
+    around it: the plan it applied, which places none of it."""
+    reconciler = service.reconciler
+    assert reconciler is not None
+    reconciler.run_once()
+    clock.advance(AFTER_S)
+    reconciler.run_once()
+    assert replanner.tick() == ["toy"]
+    applied = service.store.get_applied_plan("toy")
+    assert applied is not None and applied.plan.fleet.get(missing, 0) == 0
+    return applied
 
 
 def _fail_busiest(service: Service, planned: dict[str, int]) -> tuple[str, FakeProvisioner]:
@@ -271,21 +288,8 @@ def test_an_app_that_buys_spot_is_planned_around_with_spot_as_every_plan_of_it(
     first = service.store.get_applied_plan("toy")
     assert first is not None and any(stage.spot_fleet for stage in first.plan.stages)
     missing, _provisioner = _fail_busiest(service, planned)
-    reconciler = service.reconciler
-    assert reconciler is not None
-    replanner = CapacityReplanner(
-        service.store,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
-        reconciler.capacity_misses,
-        after_s=AFTER_S,
-        spot_prices=provider_spot_prices(service.provisioner),
-    )
-    reconciler.run_once()
-    clock.advance(AFTER_S)
-    reconciler.run_once()
-    assert replanner.tick() == ["toy"]
-    applied = service.store.get_applied_plan("toy")
-    assert applied is not None and applied.plan.fleet.get(missing, 0) == 0
+    replanner = _replanner(service, resolver, spot_prices=provider_spot_prices(service.provisioner))
+    applied = _replanned_around(service, clock, replanner, missing)
 
     # What the API plans for the same app with the type capped at what runs of it (nothing).
     resolved = resolver.resolve(service.store.get_app("toy").spec, check_budget=False)
@@ -315,14 +319,6 @@ def test_a_plan_made_on_recorded_traffic_is_planned_around_on_its_burstiness(
     recorded = {**first.document, "trace": {"source": "recorded traffic", "cv2": 4.0}}
     service.store.apply_plan("toy", service.store.create_plan("toy", recorded).id)
     missing, _provisioner = _fail_busiest(service, first.plan.fleet)
-    reconciler = service.reconciler
-    assert reconciler is not None
-    replanner = _replanner(service, resolver)
-    reconciler.run_once()
-    clock.advance(AFTER_S)
-    reconciler.run_once()
-    assert replanner.tick() == ["toy"]
-    applied = service.store.get_applied_plan("toy")
-    assert applied is not None and applied.plan.fleet.get(missing, 0) == 0
+    applied = _replanned_around(service, clock, _replanner(service, resolver), missing)
     request = applied.document["trace"]["request"]
     assert (request["kind"], request["cv2"]) == ("gamma", 4.0)
