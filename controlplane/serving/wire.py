@@ -23,6 +23,9 @@ from controlplane.serving.states import ModelState, Overload
 
 __all__ = ["status_from_json", "status_to_json", "window_from_json", "window_to_json"]
 
+# A stage's fields: one a newer serving process sends that this release does not know is left out.
+_STAGE_FIELDS = frozenset(f.name for f in dataclasses.fields(StageStatus))
+
 
 def status_to_json(status: AppStatus) -> dict[str, Any]:
     """An app's status as a JSON object (every field, nested ones as objects)."""
@@ -32,8 +35,7 @@ def status_to_json(status: AppStatus) -> dict[str, Any]:
 def status_from_json(found: dict[str, Any]) -> AppStatus:
     """The :class:`AppStatus` that :func:`status_to_json` wrote."""
     stages = []
-    # A field a newer serving process sends that this release does not know is left out.
-    known = {f.name for f in dataclasses.fields(StageStatus)}
+    known = _STAGE_FIELDS
     for stage in found["stages"]:
         overload = stage.get("overload")
         stages.append(
