@@ -733,6 +733,8 @@ class LiveTuner:
             scale_down_delay_s=self._scale_down_delay_s,
             recent_s=self._max_window_s,
             persistence_s=DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S,
+            # Its memory starts at a restart, or after silence, not with the app's traffic.
+            hold_young_memory=True,
         )
         stages = [
             TunerStage(
@@ -866,6 +868,7 @@ class LiveTuner:
             scale_down_delay_s=config.scale_down_delay_s,
             recent_s=self._load_model_recent_s,
             persistence_s=config.persistence_s,
+            hold_young_memory=config.hold_young_memory,
         )
         held = _held_types(tuned.state)
         tuned.stages = [

@@ -454,6 +454,11 @@ class TunerConfig:
     follow_fall: bool = True
     # ... once it has been read at every tick for this long (:data:`FALL_PERSIST_S`).
     fall_persist_s: float = FALL_PERSIST_S
+    # The live tuner's (docs/tuner.md, "Noise: the persistence test"): while the arrivals in
+    # memory span less than twice ``persistence_s`` (a restarted service's, or load after an
+    # idle gap: the test can take no burst out), a scale-up goes no further than the stage's
+    # planned capacity. The replay leaves it off: its memory starts with its trace.
+    hold_young_memory: bool = False
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -539,6 +544,7 @@ class TunerConfig:
         scale_down_delay_s: float = DEFAULT_SCALE_DOWN_DELAY_S,
         recent_s: float = DEFAULT_RECENT_S,
         persistence_s: float | None = None,
+        hold_young_memory: bool = False,
     ) -> TunerConfig:
         """:meth:`from_planning_trace` with the planning envelope already known (a plan's own,
         or one computed once and kept): the rate at each window.
@@ -563,6 +569,7 @@ class TunerConfig:
             recent_s=recent_s,
             max_counts={} if constraints is None else constraints.caps(names),
             persistence_s=persistence_s,
+            hold_young_memory=hold_young_memory,
         )
 
 
@@ -1805,6 +1812,23 @@ def load_stopped(arrivals: np.ndarray, now_s: float, persistence_s: float) -> bo
     return pause >= min(persistence_s, max(STOPPED_FLOOR_S, STOPPED_GAPS / rate_qps))
 
 
+def _young_memory(arrivals: np.ndarray, config: TunerConfig) -> bool:
+    """Whether ``config`` holds scale-ups past the plan on ``arrivals`` (the memory's): with
+    ``hold_young_memory``, while they span less than twice ``persistence_s``, where
+    :func:`estimator.envelope.recurring_envelope` can take no burst out of any window (a
+    restarted service's memory, a backlog of its clients' queries in its first second, read
+    as load; or load after an idle gap).
+
+    >>> config = TunerConfig((1.0,), (5.0,), 1.0, {}, {}, persistence_s=15.0,
+    ...     hold_young_memory=True)
+    >>> [_young_memory(np.array([0.0, span]), config) for span in (29.0, 30.0)]
+    [True, False]
+    """
+    if not config.hold_young_memory or config.persistence_s is None or arrivals.size == 0:
+        return False
+    return float(arrivals[-1] - arrivals[0]) < 2.0 * config.persistence_s
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -1939,10 +1963,13 @@ def tune(
     # Load that has stopped buys nothing, however busy the memory still reads (a live tuner
     # with a minute of memory had bought an instance for load that stopped 49 s before).
     stopped = config.persistence_s is not None and load_stopped(arrivals, now, config.persistence_s)
+    young = _young_memory(arrivals, config)
     for plan in [] if stopped else plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])
         if plan.ladder is not None:
+            # A young memory buys back the plan at most (TunerConfig.hold_young_memory).
+            ceiling = plan.planned_capacity_qps if young else math.inf
             # The planning trace at f_live times its rate has an envelope over the live one at
             # every window: the planner's capacity for it serves the live traffic.
             plan, planned, burst_why = sized(plan)
@@ -1951,7 +1978,7 @@ def tune(
             if _short_qps(plan.capacity_at_load_qps(whole), capacity) == 0:
                 continue  # not short even on the whole envelope
             up = reading_up(planned)
-            target = plan.capacity_at_load_qps(up.f_live * factor)
+            target = min(plan.capacity_at_load_qps(up.f_live * factor), ceiling)
             if _short_qps(target, capacity) > 0.0:
                 where = (
                     f"{trend_why}; the planner's capacity there"
@@ -1973,14 +2000,17 @@ def tune(
         if plan.capacity_curve is not None:
             up = reading_up(config.planned_rate_qps)
             target = plan.capacity_for_loads_qps(up.f_live, up.f_sustained)
-            _scale_up_to_load(tick, plan, capacity, target, up.exceed_why, up.load_why)
+            # A young memory restores the plan at most: no load over it is read.
+            exceed_why = "" if young else up.exceed_why
+            _scale_up_to_load(tick, plan, capacity, target, exceed_why, up.load_why)
             continue
         if plan.planned_share is None:
             up = reading_up(config.planned_rate_qps)
         else:  # the app's load against the envelope at which the stage carries its planned load
             ratio = plan.planned_share / s
             up = reading_up(tuple(rate * ratio for rate in config.planned_rate_qps))
-        need_exceed = up.r_max * s / rho
+        # A young memory restores the plan at most: no load over it is read.
+        need_exceed = 0.0 if young else up.r_max * s / rho
         need_restore = 0.0
         if capacity < plan.planned_capacity_qps:
             need_restore = min(plan.planned_capacity_qps, up.r_recent * s / rho)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ def one_type_stage() -> TunerStage:
     return TunerStage("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8)
 
 
-def config(budget_usd_per_hr: float = 100.0, **kwargs: float) -> TunerConfig:
+def config(budget_usd_per_hr: float = 100.0, **kwargs: Any) -> TunerConfig:
     return TunerConfig(
         windows_s=WINDOWS_S,
         planned_rate_qps=(128.0, 128.0, 128.0),
@@ -247,6 +248,36 @@ def test_a_stage_scaled_below_its_plan_comes_back_within_the_envelope() -> None:
     assert [(d.action, d.count) for d in decisions] == [("scale_up", 2)]
     assert after.fleets["resnet"]["g"] == 3
     assert "below plan" in decisions[0].reason
+
+
+@pytest.mark.parametrize("curve", [None, ((0.5, 0.6), (1.0, 1.0), (2.0, 1.7))])
+def test_a_young_memory_held_by_the_live_tuner_buys_back_the_plan_and_no_more(
+    curve: tuple[tuple[float, float], ...] | None,
+) -> None:
+    """The live tuner's hold (``hold_young_memory``): 20 s of memory, a backlog of 256 queries
+    in its first second then 128 qps (the plan's rate), reads 384 qps at the 1 s window, which
+    the persistence test cannot take out of so young a memory. A stage at its plan buys nothing;
+    one below it comes back to the plan and no further; past twice the persistence (30 s) the
+    test reads the load as it is, and a rise that lasts is bought. The replay's tuner (the hold
+    off) buys for the backlog. InferLine's model and a capacity curve alike."""
+    plan = dataclasses.replace(one_type_stage(), capacity_curve=curve)
+    arrivals = np.sort(np.concatenate([80.0 + np.arange(256) / 256, steady(128, 81.0, 100.0)]))
+    held = dataclasses.replace(config(), persistence_s=15.0, hold_young_memory=True)
+    at_plan = initial_state([plan], 0.0)
+    below = TunerState(fleets={"resnet": Fleet.of({"g": 1})}, last_change_s=0.0)
+
+    def fleet_after(state: TunerState, cfg: TunerConfig, seen: np.ndarray = arrivals) -> int:
+        _, after = tune(seen, float(seen[-1]), state, [plan], cfg)
+        return after.fleets["resnet"]["g"]
+
+    assert fleet_after(at_plan, held) == 3
+    assert fleet_after(below, held) == 3
+    replayed = dataclasses.replace(held, hold_young_memory=False)
+    assert fleet_after(at_plan, replayed) > 3
+    assert fleet_after(below, replayed) > 3
+    rise = steady(256, 60.0, 100.0)  # twice the plan's rate for 40 s: old enough to be read
+    assert fleet_after(at_plan, held, rise) > 3
+    assert fleet_after(at_plan, held, rise[rise < 89.0]) == 3  # 29 s of it: held
 
 
 # --- mixed stages and the budget -------------------------------------------------------------
