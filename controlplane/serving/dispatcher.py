@@ -82,6 +82,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
+import itertools
 import logging
 import math
 import time
@@ -404,6 +406,10 @@ class AppDispatcher:
         # (one timer for all: a timer per request would fill the loop's heap with cancelled
         # ones, 60,000 at 2,000 q/s and a give-up of 30 s).
         self._open: dict[_Request, None] = {}
+        # The requests whose client gave a deadline, by it (deadline, order, request): the same
+        # sweep answers those still queued at their deadline (a heap: deadlines differ).
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._order = itertools.count()
         self._sweeper: asyncio.TimerHandle | None = None
         self._rounds_scheduled = False
         self._closed = False
@@ -549,10 +555,12 @@ class AppDispatcher:
         request = _Request(
             inputs, sample_ids, cascade, arrival_s, future, (now - arrival_s) * 1000.0
         )
-        request.deadline_s = math.inf if deadline_s is None else deadline_s
         request.bound_ms = bound_ms
         future.add_done_callback(functools.partial(self._on_done, request))
         self._open[request] = None
+        if deadline_s is not None and deadline_s < math.inf:
+            request.deadline_s = deadline_s
+            heapq.heappush(self._deadlines, (deadline_s, next(self._order), request))
         if self._sweeper is None:
             self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
         self._enqueue(request, 0, list(range(n)), now)
@@ -1203,10 +1211,14 @@ class AppDispatcher:
 
     def _sweep(self) -> None:
         """Answer the requests past their give-up time with a timeout error (the oldest
-        first: the sweep stops at the first one still in time)."""
+        first: the sweep stops at the first one still in time), and those queued past their
+        client's own deadline: they leave their queue, costing no worker call. A request whose
+        batch is in flight at its deadline is left to that call (its answer is on its way); it
+        is looked at again at the next sweep (a cascade may queue it at its next model)."""
         self._sweeper = None
+        now = self.clock_s()
         give_up_s = self.settings.give_up_after_s(self.config.slo_ms)
-        cutoff = self.clock_s() - give_up_s
+        cutoff = now - give_up_s
         expired = []
         for request in self._open:
             if request.arrival_s > cutoff:
@@ -1214,8 +1226,24 @@ class AppDispatcher:
             expired.append(request)
         for request in expired:
             self._fail(request, QueryTimeoutError(self.app, give_up_s))
+        deadlines = self._deadlines
+        in_flight = []
+        while deadlines and deadlines[0][0] <= now:
+            entry = heapq.heappop(deadlines)
+            request = entry[2]
+            if request.future.done():
+                continue
+            if not request.queued:
+                in_flight.append(entry)
+                continue
+            self._leave_queues(request)
+            self._fail(request, QueryTimeoutError(self.app, request.deadline_s - request.arrival_s))
+        for entry in in_flight:
+            heapq.heappush(deadlines, entry)
         if self._open and not self._closed:
             self._sweeper = asyncio.get_running_loop().call_later(_SWEEP_S, self._sweep)
+        else:
+            deadlines.clear()  # every request is answered
 
     def _on_done(self, request: _Request, future: asyncio.Future[InferResult]) -> None:
         """Whatever ended the request (answer, error, timeout, the caller going away): its
@@ -1227,6 +1255,10 @@ class AppDispatcher:
             now = self.clock_s()
             latency_ms = (now - request.arrival_s) * 1000.0
             self.observations.ended_in_error(self.app, now, Outcome.TIMED_OUT, latency_ms)
+        self._leave_queues(request)
+
+    def _leave_queues(self, request: _Request) -> None:
+        """Take ``request``'s queued queries out of their queues, with their samples' counts."""
         for query_id, stage in request.queued.items():
             if stage.queue.take(query_id) is not None:
                 part = stage.parts.pop(query_id)

@@ -147,6 +147,50 @@ def test_a_query_past_its_clients_deadline_costs_no_worker_call() -> None:
     run(scenario())
 
 
+def test_a_query_queued_past_its_clients_deadline_is_answered_at_it() -> None:
+    """Answered 504 by the sweep at its deadline, while the worker still holds the batch ahead
+    of it (not when a batch would start for it): it leaves its queue, with its samples, and is
+    counted as timed out. A query whose batch is in flight at its deadline is left to that call
+    and answered."""
+    now = [1000.0]
+
+    async def scenario() -> None:
+        (worker,) = await fleet([LARGE])
+        app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
+        dispatcher = AppDispatcher(
+            app,
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+            clock_s=lambda: now[0],
+        )
+        dispatcher.set_workers(endpoints([worker]))
+        worker.holding = True
+        sent = dispatcher.submit([row(1, 0.9)], deadline_s=now[0] + 0.5)
+        await until(lambda: worker.requests == 1)
+        doomed = dispatcher.submit([row(2, 0.9), row(4, 0.9)], deadline_s=now[0] + 0.5)
+        patient = dispatcher.submit([row(3, 0.9)], deadline_s=now[0] + 60.0)
+        (stage,) = dispatcher.status().stages
+        assert (stage.queued_queries, stage.queued_samples) == (2, 3)
+        now[0] += 0.6  # both short deadlines have passed; the give-up time is 30 s away
+        await until(doomed.done)  # the worker still holds the first batch
+        error = doomed.exception()
+        assert isinstance(error, QueryTimeoutError) and "within 500 ms" in str(error), error
+        assert not sent.done() and not patient.done()
+        (stage,) = dispatcher.status().stages
+        assert (stage.queued_queries, stage.queued_samples) == (1, 1)
+        assert dispatcher.observations.totals()["demo"].timed_out == 1
+        worker.release()
+        answers = await settle([sent, patient])
+        assert [a.outputs for a in answers if isinstance(a, InferResult)] == [(1,), (3,)]
+        assert worker.requests == 2 and worker.rows == 2  # the doomed query cost no call
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.timed_out) == (2, 1)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_timeout_says_how_long_it_waited_below_a_second_too() -> None:
     # A client's timeout of a microsecond read "not answered within 0 s" (rounded to 1 ms).
     assert str(QueryTimeoutError("a", 1e-6)).endswith("within 0.001 ms")
