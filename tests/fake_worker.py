@@ -20,7 +20,9 @@ one asked for (to rounding); the other outputs are zeros. ``parameters`` (the ag
 Protocol server that is not the agent).
 
 Knobs, settable at any time: ``status`` (answer every infer request with this HTTP status),
-``drop`` (close the connection instead of answering), ``hang`` (never answer), ``holding``
+``drop`` (close the connection instead of answering), ``hang`` (never answer, its health probe
+neither: a hung process), ``slow`` (a function of (model, row): the rows of a value-dependent
+slow path; a batch holding one is never answered, while the health probe is), ``holding``
 (keep the answers until :meth:`release`), ``poison`` (a
 function of (model, row): the rows the model raises on; a batch holding one is answered as the
 agent answers it, 422 with ``failed_rows``, or, when ``foreign``, 500 without them);
@@ -183,6 +185,7 @@ class FakeWorker:
         self.drops_a_row = False
         self.drop = False
         self.hang = False
+        self.slow: Callable[[str, Sequence[float]], bool] | None = None
         self.holding = False
         self._held: list[tuple[_Protocol, bytes]] = []
         self.healthy = True
@@ -242,6 +245,8 @@ class FakeWorker:
         header_length: str | None = None,
     ) -> None:
         if path in ("/health", "/v2/health/ready", "/v2/health/live"):
+            if self.hang:
+                return
             status = 200 if self.healthy or path.endswith("/live") else 503
             if path == "/health":
                 health = {"status": "ok" if self.healthy else "stopping"}
@@ -282,6 +287,9 @@ class FakeWorker:
             connection.send(400, {"error": str(error)})
             return
         self.last_request = document
+        slow = self.slow
+        if slow is not None and any(slow(model, r) for r in rows):
+            return
         poison = self.poison
         bad = [i for i, r in enumerate(rows) if poison(model, r)] if poison is not None else []
         if bad:

@@ -109,7 +109,9 @@ class DispatcherSettings:
     SLO)); ``admission`` turns admission control off (benchmarks of the bare loop). A healthy
     worker idle for ``idle_probe_s`` gets a health probe with the call timeout floor (None: never).
     A worker's first ``warmup_batches`` answered batches are its warm-up (a runtime's first
-    runs, caches, a connection opened): calibration does not read them.
+    runs, caches, a connection opened): calibration does not read them. A worker whose call
+    timed out is probed at once with ``slow_probe_s`` to tell a slow query (it answers) from a
+    worker gone (:meth:`AppDispatcher._call <controlplane.serving.dispatcher.AppDispatcher>`).
     """
 
     call_timeout_floor_s: float = 2.0
@@ -120,6 +122,7 @@ class DispatcherSettings:
     admission: bool = True
     idle_probe_s: float | None = 5.0
     warmup_batches: int = 5
+    slow_probe_s: float = 0.5
 
     def give_up_after_s(self, slo_ms: float) -> float:
         if self.give_up_s is not None:

@@ -49,7 +49,10 @@ judges).
 - **Failures.** A worker whose call fails (no connection, a timeout, a broken connection, a
   status saying it cannot serve) is unhealthy at once and its batch goes back to the front of
   its stage's queue, up to ``max_attempts`` tries per query, then an explicit error (502;
-  :mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A worker
+  :mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A call
+  that timed out on a worker that still answers its probe was a slow batch, not a worker gone:
+  a query alone in it is answered 504 rather than sent on (it would take each worker out in
+  turn), the queries of a batch of several are tried again alone. A worker
   that answers that the model raised on the batch, or that its inputs are refused, stays
   healthy: a bad query fails alone (422 when the worker says its inputs are at fault, else
   502) and the other queries of its batch go back to the front of the queue. The agent names
@@ -919,12 +922,17 @@ class AppDispatcher:
         try:
             reply = await self.transport.infer(worker.address, stage.io, rows, timeout_s)
         except WorkerCallError as error:
-            self._failed(stage, worker, parts, len(rows), error)
+            slow_s = None
+            if error.kind == "timeout":
+                try:
+                    if await self._answers(worker):
+                        slow_s = timeout_s
+                except asyncio.CancelledError:
+                    self._cancelled(stage, worker, parts, len(rows))
+                    raise
+            self._failed(stage, worker, parts, len(rows), error, slow_s)
         except asyncio.CancelledError:
-            stage.in_service_samples -= len(rows)
-            worker.finish(self.clock_s())
-            for part in parts:
-                self._fail(part.request, NoServingInstanceError(self.app, stage.model, "stopping"))
+            self._cancelled(stage, worker, parts, len(rows))
             raise
         except Exception as error:  # a transport's bug must not lose the queries
             logger.exception("%s: call to %s failed unexpectedly", self.app, worker.address)
@@ -939,6 +947,23 @@ class AppDispatcher:
             self._completed(
                 stage, worker, parts, rows, reply, started_s, predicted_ms, turnaround_ms
             )
+
+    def _cancelled(self, stage: _Stage, worker: Worker, parts: list[_Part], batch: int) -> None:
+        """A call cancelled (the dispatcher is closing): its queries are answered 503."""
+        stage.in_service_samples -= batch
+        worker.finish(self.clock_s())
+        for part in parts:
+            self._fail(part.request, NoServingInstanceError(self.app, stage.model, "stopping"))
+
+    async def _answers(self, worker: Worker) -> bool:
+        """Whether ``worker``, whose call just timed out, answers its health probe: alive, the
+        batch was slow (a value-dependent slow path of the model), not a worker gone."""
+        try:
+            return await self.transport.health(worker.address, self.settings.slow_probe_s) is True
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
 
     def _completed(
         self,
@@ -1046,7 +1071,14 @@ class AppDispatcher:
         parts: list[_Part],
         batch: int,
         error: WorkerCallError,
+        slow_s: float | None = None,
     ) -> None:
+        """A call that failed with ``error``. ``slow_s``: the call timed out (after that many
+        seconds) while the worker answers its health probe: the worker is alive and the batch
+        was slow. The worker leaves matching all the same (it is still busy with that batch),
+        but a batch of one query is not sent to another worker: its query is answered 504 (sent
+        again, a slow query took each worker out in turn); a batch of several is tried again
+        query by query (:attr:`_Part.alone`), so that the slow one is alone when it times out."""
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)
@@ -1063,7 +1095,11 @@ class AppDispatcher:
         for part in live:
             request = part.request
             part.attempts += 1
-            if health.retries(error, part.attempts):
+            if slow_s is not None and len(parts) == 1:
+                self._fail(request, QueryTimeoutError(self.app, slow_s))
+            elif health.retries(error, part.attempts):
+                if slow_s is not None:
+                    part.alone = True
                 again.append(part)
             else:
                 self._fail(

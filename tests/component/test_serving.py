@@ -36,6 +36,7 @@ from controlplane.errors import (
     OverloadedError,
     QueryFailedError,
     QueryRejectedError,
+    QueryTimeoutError,
     RequirementsUnmetError,
 )
 from controlplane.loops.rollup import roll_up
@@ -621,6 +622,69 @@ def test_a_hanging_worker_times_out_and_is_taken_out() -> None:
         assert all(isinstance(r, InferResult) for r in results), results
         hung = next(w for w in dispatcher.status().workers if w.instance_id == "i-0")
         assert not hung.healthy and "timeout" in hung.last_error
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
+    """A value-dependent slow path: the call times out and the worker, alive, answers its
+    probe. It leaves matching (still busy with the batch), and the query is not sent to the
+    next worker (it took each out in turn, then a 502 inviting a retry): a 504, counted as
+    timed out. The good queries after it are served by the other workers."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE, LARGE])
+        for worker in workers:
+            worker.slow = poisoned
+        losses: list[str] = []
+        dispatcher = AppDispatcher(
+            config(models=("tiny",)),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(
+                admission=False, call_timeout_floor_s=0.5, idle_probe_s=None
+            ),
+            on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
+        )
+        dispatcher.set_workers(endpoints(workers))
+        (slow,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(slow, QueryTimeoutError) and "within 500 ms" in str(slow), slow
+        assert sum(w.received for w in workers) == 1 and len(losses) == 1
+        results = await settle([dispatcher.submit([row(q, 0.9)]) for q in range(6)])
+        assert [r.outputs for r in results if isinstance(r, InferResult)] == [
+            (q,) for q in range(6)
+        ]
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.timed_out, totals.failed) == (6, 1, 0)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_slow_query_in_a_batch_is_tried_alone_and_the_others_are_served() -> None:
+    """Which query of a timed-out batch was slow is not known: each is tried again alone, the
+    good ones are answered and the slow one is a 504 when its own call times out. Two workers
+    out of three leave matching (the batch's and the slow query's own), not every one."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE, LARGE], delay_s=0.01)
+        for worker in workers:
+            worker.slow = poisoned
+        plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
+        app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
+        dispatcher = await dispatcher_over(
+            workers, app, admission=False, call_timeout_floor_s=0.5, idle_probe_s=None
+        )
+        inputs = [poison_row(q) if q == 3 else row(q, 0.9) for q in range(8)]
+        results = await settle([dispatcher.submit([x]) for x in inputs])
+        for q, result in enumerate(results):
+            if q == 3:
+                assert isinstance(result, QueryTimeoutError), result
+            else:
+                assert isinstance(result, InferResult) and result.outputs == (q,), result
+        assert sum(w.received for w in workers) - sum(w.requests for w in workers) == 2
+        assert sum(w.healthy for w in dispatcher.status().workers) == 1
         await dispatcher.close()
 
     run(scenario())
