@@ -52,12 +52,13 @@ judges).
   :mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A call
   that timed out on a worker that still answers its probe was a slow batch, not a worker gone:
   a query alone in it is answered 504 rather than sent on (it would take each worker out in
-  turn), the queries of a batch of several are tried again alone. A worker
-  that answers that the model raised on the batch, or that its inputs are refused, stays
-  healthy: a bad query fails alone (422 when the worker says its inputs are at fault, else
-  502) and the other queries of its batch go back to the front of the queue. The agent names
-  the rows that failed (it runs a failed batch again row by row); when a worker names none,
-  each query of the batch is tried again in a batch of its own. A query
+  turn), the queries of a batch of several are tried again alone. A worker that answers
+  that the model raised on the batch, or that its inputs are refused, stays healthy: a bad
+  query fails alone (422 when the worker says its inputs are at fault or the model raised on
+  it where that worker has answered the model before, else 502) and the other queries of its
+  batch go back to the front of the queue. The agent names the rows that failed (it runs a
+  failed batch again row by row); when a worker names none, each query of the batch is tried
+  again in a batch of its own. A query
   past its SLO is still served and answered, flagged ``late``; only past ``give_up_s`` (far
   beyond the SLO) is it answered with an explicit timeout (504), and a query nothing can serve
   (no healthy instance of its model) is refused at arrival (503), so nothing waits without bound.
@@ -1142,7 +1143,7 @@ class AppDispatcher:
             innocent = parts
         for part in at_fault:
             part.attempts += 1
-            self._fail(part.request, self._rejection(error, part.attempts))
+            self._fail(part.request, self._rejection(stage, worker, error, part.attempts))
         again = [part for part in innocent if not part.request.future.done()]
         self._send_again(stage.model, again)
         self._mark_all()
@@ -1159,10 +1160,22 @@ class AppDispatcher:
         else:
             self._requeue(current, parts)
 
-    def _rejection(self, error: WorkerCallError, attempts: int) -> ServingError:
-        """What a query the model refused or raised on is answered with: 422 when the worker
-        says its inputs are at fault, else 502."""
-        if error.kind == "input":
+    def _rejection(
+        self, stage: _Stage, worker: Worker, error: WorkerCallError, attempts: int
+    ) -> ServingError:
+        """What a query the model refused or raised on is answered with: 422 when its inputs
+        are at fault, else 502. They are when the worker says so (its inputs refused, or the
+        model raised on them while other rows of the batch passed, or with an error that names
+        an input fault), and when the model raised on them on a worker that has answered
+        batches of this model: the model works, this query makes it fail (an answer that
+        does not fit the batch is the model's fault, 502, whatever). Only without any
+        such evidence (a model that has answered nothing on that worker) is it a 502: the
+        same query was a 422 beside good rows and a 502 alone."""
+        if error.kind == "input" or (
+            error.kind == "model"
+            and error.status is not None  # the worker said so (not an answer that does not fit)
+            and worker.instance_id in stage.answered_in
+        ):
             return QueryRejectedError(self.app, error.detail)
         return QueryFailedError(self.app, str(error), attempts)
 

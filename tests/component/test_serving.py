@@ -376,7 +376,8 @@ def poisoned(model: str, values: Sequence[float]) -> bool:
 def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) -> None:
     """The agent names the rows that failed (422, failed_rows): those queries get a 422, the
     others of the batch are sent again. A foreign server says only 500: each query of the batch
-    is tried alone, and the poison one gets a 502. Either way the worker stays healthy."""
+    is tried alone, and the poison one is a 422 too, the model having answered the good ones
+    on that worker (it was a 502). Either way the worker stays healthy."""
 
     async def scenario() -> None:
         # One slow worker: queries queue while it serves and go together, poison among them.
@@ -387,10 +388,9 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
         dispatcher, unhealthy = watched_dispatcher(workers, app)
         inputs = [poison_row(q) if q % 7 == 3 else row(q % 10, 0.9) for q in range(60)]
         results = await settle([dispatcher.submit([x]) for x in inputs])
-        expected = QueryFailedError if foreign else QueryRejectedError
         for q, result in enumerate(results):
             if q % 7 == 3:
-                assert isinstance(result, expected), result
+                assert isinstance(result, QueryRejectedError), result
                 assert "index out of range" in str(result)
                 # The model raised, the worker answered: nothing to retry.
                 assert not getattr(result, "transport", False)
@@ -402,10 +402,35 @@ def test_a_poison_query_fails_alone_and_the_worker_keeps_serving(foreign: bool) 
         (status,) = dispatcher.status().workers
         assert status.healthy and status.last_error == ""
         totals = dispatcher.observations.totals()["demo"]
-        # A 422 is the client's mistake, not offered (a foreign server's 500 is a 502: failed).
-        assert (totals.answered, totals.failed) == (60 - 9, 9 if foreign else 0)
-        assert totals.offered == (60 if foreign else 60 - 9)
-        assert totals.rejected == (0 if foreign else 9)  # counted apart: arrived adds up
+        # A 422 is the client's mistake, not offered.
+        assert (totals.answered, totals.failed) == (60 - 9, 0)
+        assert totals.offered == 60 - 9
+        assert totals.rejected == 9  # counted apart: arrived adds up
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_query_the_model_raises_on_alone_is_a_422_once_the_model_has_answered() -> None:
+    """A foreign server's 500 for a query alone: with no evidence that the model works on that
+    worker (it has answered nothing yet), a 502; once it has answered a good query, the same
+    query is a 422, as it is beside good rows in a batch. An answer of the model's that does
+    not fit the batch stays a 502 (the model's fault, not the query's)."""
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE], foreign=True)
+        workers[0].poison = poisoned
+        dispatcher, unhealthy = watched_dispatcher(workers, config(models=("tiny",)))
+        (first,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(first, QueryFailedError) and not first.transport, first
+        assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+        (again,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(again, QueryRejectedError) and "index out of range" in str(again)
+        workers[0].poison = None
+        workers[0].drops_a_row = True  # one query of two samples: its answer holds one row
+        (short,) = await settle([dispatcher.submit([row(2, 0.9), row(4, 0.9)])])
+        assert isinstance(short, QueryFailedError), short
+        assert unhealthy == []
         await dispatcher.close()
 
     run(scenario())
