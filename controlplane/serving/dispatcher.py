@@ -924,7 +924,7 @@ class AppDispatcher:
             reply = await self.transport.infer(worker.address, stage.io, rows, timeout_s)
         except WorkerCallError as error:
             slow_s = None
-            if error.kind == "timeout":
+            if error.kind == "timeout" and not worker.slow:
                 try:
                     if await self._answers(worker):
                         slow_s = timeout_s
@@ -1079,13 +1079,18 @@ class AppDispatcher:
         was slow. The worker leaves matching all the same (it is still busy with that batch),
         but a batch of one query is not sent to another worker: its query is answered 504 (sent
         again, a slow query took each worker out in turn); a batch of several is tried again
-        query by query (:attr:`_Part.alone`), so that the slow one is alone when it times out."""
+        query by query (:attr:`_Part.alone`), so that the slow one is alone when it times out.
+        A worker back from its probe while still busy with a slow batch times out on the next
+        one too: not that batch's fault (``Worker.slow``, until a call of it is answered), so
+        it is retried as a worker's failure (the caller probes only a worker not flagged)."""
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)
         if not error.worker_fault:
             self._rejected(stage, worker, parts, error, now)
             return
+        if slow_s is not None:
+            worker.slow = True
         reason = str(error)
         health = self.health
         lost = health.call_failed(worker, error, now)

@@ -189,12 +189,17 @@ class Worker:
         "probing",
         "retry_at_s",
         "running",
+        "slow",
         "started_s",
     )
 
     def __init__(self, endpoint: WorkerEndpoint, now_s: float) -> None:
         self.endpoint = endpoint
         self.answered = 0  # batches it answered since it joined the loop
+        # A call to it timed out on a slow batch (it answered its probe) and no call has been
+        # answered since: it may still be busy with that batch, so a timeout now is not the
+        # new batch's (AppDispatcher._failed).
+        self.slow = False
         self.healthy = True
         self.running = False
         self.busy_until_s = now_s
@@ -267,6 +272,7 @@ class Worker:
 
     def succeeded(self) -> None:
         self.failures = 0
+        self.slow = False
 
     def fail(self, now_s: float, reason: str) -> None:
         """Unhealthy from now; probed again after the backoff."""

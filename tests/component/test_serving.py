@@ -687,6 +687,42 @@ def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
     run(scenario())
 
 
+def test_a_worker_back_while_still_busy_with_a_slow_query_does_not_fail_the_next() -> None:
+    """The worker a slow query took out answers its probe and serves again, still busy with
+    that query (a real agent runs one batch at a time): the next query's call to it times out
+    too. That query is not the slow one: it is tried on the other worker and answered, not
+    answered 504."""
+    now = [1000.0]
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        for worker in workers:
+            worker.slow = poisoned
+        dispatcher = AppDispatcher(
+            config(models=("tiny",)),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(
+                admission=False, call_timeout_floor_s=0.5, idle_probe_s=None
+            ),
+            clock_s=lambda: now[0],
+        )
+        dispatcher.set_workers(endpoints(workers))
+        (slow,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(slow, QueryTimeoutError), slow
+        (out,) = [k for k, w in enumerate(dispatcher.status().workers) if not w.healthy]
+        workers[out].slow = lambda model, values: True  # still busy with the slow query
+        now[0] += 60.0  # past its probe's backoff
+        await dispatcher.probe()
+        assert all(w.healthy for w in dispatcher.status().workers)
+        results = await settle([dispatcher.submit([row(q, 0.9)]) for q in range(2)])
+        assert [r.outputs for r in results if isinstance(r, InferResult)] == [(0,), (1,)]
+        assert workers[out].received == 2 and workers[1 - out].requests == 2
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_slow_query_in_a_batch_is_tried_alone_and_the_others_are_served() -> None:
     """Which query of a timed-out batch was slow is not known: each is tried again alone, the
     good ones are answered and the slow one is a 504 when its own call times out. Two workers
