@@ -22,6 +22,11 @@ A TorchScript module scripted without a signature file, pushed with ``--inputs``
 documented route for one), is profiled (``heteroplane profile run``), planned, applied and
 served: the signature the registry stored reaches the workers with the artifact reference.
 
+A TorchScript model that raises on some values (an error that names no input fault) and runs a
+slow path of seconds on others, served by two workers one query a batch: a query it raises on,
+alone, is a 422 once the model has answered on its worker (as it is beside good rows), and the
+slow query is a 504 that takes one worker out of matching, not both.
+
 Everything is polled against deadlines; nothing is timed.
 """
 
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +320,111 @@ def test_torchscript_pushed_with_inputs_is_profiled_and_served(
     with torch.inference_mode():
         expected = scripted(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(np.reshape(output["data"], (5, 3)), expected, rtol=0, atol=1e-5)
+
+
+class _Moody(torch.nn.Module):  # type: ignore[name-defined,misc]
+    """Raises on a row whose first value is over 100 with an error that names no input fault;
+    a row whose first value is under -100 runs a slow path (about 13 s on the 2-core machine, past
+    the dispatcher's call timeout of 2 s); else the first three values, doubled."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # type: ignore[name-defined]
+        x = input
+        if bool((x[:, 0] < -100.0).any()):
+            turns = torch.zeros(1)
+            for _ in range(2_500_000):
+                turns = turns + 1.0
+            x = x + turns * 0.0
+        if bool((x[:, 0] > 100.0).any()):
+            raise RuntimeError("the model hit a state it cannot go on from")
+        return x[:, :3] * 2.0
+
+
+def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_worker(
+    service: Service,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    path = tmp_path / "moody.pt"
+    torch.jit.save(torch.jit.script(_Moody().eval()), str(path))
+    name, app = "moody-ts", "moody"
+    profiles = tmp_path / "moody-profiles.json"
+    entry = {"model": name, "instance_type": TYPE, "batch_sizes": [1], "latency_ms": [1.0]}
+    profiles.write_text(json.dumps({"profiles": [entry]}))
+    admin = service.store.create_token("admin", name="operator")
+    headers = {"Authorization": f"Bearer {service.store.create_token('infer', name='client')}"}
+    with ApiServer(service) as url:
+        monkeypatch.setenv("HETEROPLANE_URL", url)
+        monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
+        _cli(capsys, "model", "push", name, str(path), "--format", "torchscript", "--inputs",
+             "input:FP32:-1x4")  # fmt: skip
+        store = service.store
+        store.create_app(
+            {
+                "name": app,
+                "models": [{"name": name, "artifact": name, "profiles": str(profiles)}],
+                "slo": {"latency_ms": 1000},
+                "budget_usd_per_hr": 1.0,
+                "instance_types": [TYPE],
+            },
+            who="test",
+        )
+        stage = {"name": name, "fleet": {TYPE: 2}, "batch_size": 1, "policy": "fcfs"}
+        plan = store.create_plan(app, {"feasible": True, "cost_usd_per_hr": 0.4, "stages": [stage]})
+        store.apply_plan(app, plan.id)
+        launch_fleet(service, app, 2)
+
+        def infer(first: float) -> httpx.Response:
+            return httpx.post(
+                f"{url}/v1/apps/{app}/infer",
+                json={"inputs": [[first, 2.0, 0.5, 0.0]]},
+                headers=headers,
+                trust_env=False,
+                timeout=120.0,
+            )
+
+        def status() -> dict[str, Any]:
+            answer = httpx.get(
+                f"{url}/v1/apps/{app}/serving",
+                headers={"Authorization": f"Bearer {admin}"},
+                trust_env=False,
+                timeout=30.0,
+            )
+            assert answer.status_code == 200, answer.text
+            return dict(answer.json())
+
+        def answered(address: str) -> int:
+            stats = httpx.get(f"http://{address}/stats", trust_env=False, timeout=30.0).json()
+            return int(stats["models"].get(name, {}).get("requests", 0))
+
+        # Good queries, four at once, until each worker has answered one: the model works there.
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        with ThreadPoolExecutor(4) as pool:
+            while True:
+                goods = list(pool.map(infer, [1.0] * 4))
+                assert all(g.status_code == 200 for g in goods), [g.text for g in goods]
+                assert all(g.json()["outputs"] == [1] for g in goods)
+                addresses = [w["address"] for w in status()["workers"]]
+                if len(addresses) == 2 and all(answered(a) for a in addresses):
+                    break
+                assert time.monotonic() < deadline, "a worker answered no query"
+            raised = infer(200.0)  # alone in its batch
+            assert raised.status_code == 422, raised.text
+            error = raised.json()["error"]
+            assert error["code"] == "query_rejected" and "cannot go on" in error["message"], error
+            slow = infer(-200.0)
+            assert slow.status_code == 504, slow.text
+            assert slow.json()["error"]["code"] == "query_timeout"
+            assert "Retry-After" not in slow.headers
+            after = list(pool.map(infer, [1.0] * 4))
+        assert all(a.status_code == 200 for a in after), [a.text for a in after]
+        # One worker taken out (again, maybe, while still busy with the slow query), never the
+        # other. The loop records the losses in a thread: polled for.
+        while not (losses := _losses(service, app)):
+            assert time.monotonic() < deadline, "no worker_unhealthy decision"
+            time.sleep(0.05)
+    assert len({d.numbers["instance_id"] for d in losses}) == 1, losses
+
+
+def _losses(service: Service, app: str) -> list[Any]:
+    return [d for d in service.store.list_decisions(app) if d.kind == "worker_unhealthy"]
