@@ -1294,6 +1294,11 @@ class AppDispatcher:
             self._fail(request, QueryTimeoutError(self.app, request.deadline_s - request.arrival_s))
         for entry in in_flight:
             heapq.heappush(deadlines, entry)
+        if len(deadlines) > 2 * len(self._open) + 64:
+            # Mostly answered requests, held until their deadline (a minute's, at 2,000 q/s,
+            # would hold 120,000 of them and their inputs): dropped.
+            deadlines[:] = [entry for entry in deadlines if not entry[2].future.done()]
+            heapq.heapify(deadlines)
         if self._open and not self._closed:
             self._sweeper = asyncio.get_running_loop().call_later(_SWEEP_S, self._sweep)
         else:

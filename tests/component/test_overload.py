@@ -191,6 +191,24 @@ def test_a_query_queued_past_its_clients_deadline_is_answered_at_it() -> None:
     run(scenario())
 
 
+def test_answered_queries_do_not_wait_for_their_deadline_in_the_sweeps_heap() -> None:
+    """A query's client deadline is held for the sweep; answered (here: its client gone), it is
+    dropped at a sweep, not kept with its inputs until its deadline while others are open."""
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker()
+        far = time.monotonic() + 600.0
+        gone = [dispatcher.submit([row(2, 0.9)], deadline_s=far) for _ in range(200)]
+        for future in gone:
+            future.cancel()
+        await until(lambda: len(dispatcher._deadlines) == 0)  # the first query keeps it open
+        worker.release()
+        assert isinstance(await first, InferResult)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_timeout_says_how_long_it_waited_below_a_second_too() -> None:
     # A client's timeout of a microsecond read "not answered within 0 s" (rounded to 1 ms).
     assert str(QueryTimeoutError("a", 1e-6)).endswith("within 0.001 ms")
