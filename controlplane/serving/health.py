@@ -12,7 +12,10 @@ who is probed, which failed queries are tried again, and who hears of a lost wor
   fault alone and sends the others again).
 - **Retries** (:meth:`Health.retries`): a query of a failed batch is tried again on another
   worker while the failure was the worker's and it has had fewer than ``max_attempts`` tries;
-  the dispatcher answers the others with an error (502).
+  the dispatcher answers the others with an error (502). A timeout on a worker that still
+  answers its probe was a slow batch, not the worker's failure: the dispatcher answers a query
+  alone in it 504 instead (:meth:`AppDispatcher._failed
+  <controlplane.serving.dispatcher.AppDispatcher>`).
 - **Probes of the unhealthy** (:meth:`Health.due`, :meth:`Health.recover`): once its backoff is
   over, an unhealthy worker is probed (``GET /health``); one that answers ``ok`` (and is still
   the app's) serves again, the others wait out a longer backoff.
