@@ -22,10 +22,12 @@ A TorchScript module scripted without a signature file, pushed with ``--inputs``
 documented route for one), is profiled (``heteroplane profile run``), planned, applied and
 served: the signature the registry stored reaches the workers with the artifact reference.
 
-A TorchScript model that raises on some values (an error that names no input fault) and runs a
-slow path of seconds on others, served by two workers one query a batch: a query it raises on,
-alone, is a 422 once the model has answered on its worker (as it is beside good rows), and the
-slow query is a 504 that takes one worker out of matching, not both.
+A TorchScript model that raises on some values (an error that names no input fault) and takes a
+slow path on others, served by two workers one query a batch, with a call timeout of 1 s: a
+query it raises on, alone, is a 422 once the model has answered on its worker (as it is beside
+good rows), and the slow query is a 504 that takes one worker out of matching, not both. The
+slow path waits at a gate (a named pipe the test opens at its end): it outlasts the call
+timeout on a machine of any speed and costs no CPU.
 
 Everything is polled against deadlines; nothing is timed.
 """
@@ -33,8 +35,12 @@ Everything is polled against deadlines; nothing is timed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
+import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -324,19 +330,40 @@ def test_torchscript_pushed_with_inputs_is_profiled_and_served(
 
 class _Moody(torch.nn.Module):  # type: ignore[name-defined,misc]
     """Raises on a row whose first value is over 100 with an error that names no input fault;
-    a row whose first value is under -100 runs a slow path (about 13 s on the 2-core machine, past
-    the dispatcher's call timeout of 2 s); else the first three values, doubled."""
+    a row whose first value is under -100 takes a slow path: it reads the named pipe ``gate``,
+    whose opening blocks, costing no CPU, until the test opens the pipe to write (:func:`_gate`;
+    the read then fails: an answer no client waits for any more); else the first three values,
+    doubled."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__()
+        self.gate = gate
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # type: ignore[name-defined]
         x = input
         if bool((x[:, 0] < -100.0).any()):
-            turns = torch.zeros(1)
-            for _ in range(2_500_000):
-                turns = turns + 1.0
-            x = x + turns * 0.0
+            waited = torch.from_file(self.gate, False, 1, dtype=torch.uint8)
+            x = x + waited.to(x.dtype).sum() * 0.0
         if bool((x[:, 0] > 100.0).any()):
             raise RuntimeError("the model hit a state it cannot go on from")
         return x[:, :3] * 2.0
+
+
+@contextlib.contextmanager
+def _gate(gate: Path) -> Iterator[None]:
+    """``gate`` a named pipe, opened to write at the end: the slow paths waiting at it go on
+    (and their workers can stop); none waiting, nothing to do."""
+    os.mkfifo(gate)
+    try:
+        yield
+    finally:
+        try:
+            fd = os.open(gate, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no slow path has it open
+            pass
+        else:
+            os.write(fd, b"\0")
+            os.close(fd)
 
 
 def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_worker(
@@ -345,15 +372,23 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    gate = tmp_path / "gate"
     path = tmp_path / "moody.pt"
-    torch.jit.save(torch.jit.script(_Moody().eval()), str(path))
+    torch.jit.save(torch.jit.script(_Moody(str(gate)).eval()), str(path))
+    # A call times out after 1 s (2 s by default), far more than a good query of this model
+    # takes; the dispatcher reads it when the app's first query makes it.
+    serving = service.serving
+    assert serving is not None
+    settings = serving.settings
+    dispatcher = dataclasses.replace(settings.dispatcher, call_timeout_floor_s=1.0)
+    serving.settings = dataclasses.replace(settings, dispatcher=dispatcher)
     name, app = "moody-ts", "moody"
     profiles = tmp_path / "moody-profiles.json"
     entry = {"model": name, "instance_type": TYPE, "batch_sizes": [1], "latency_ms": [1.0]}
     profiles.write_text(json.dumps({"profiles": [entry]}))
     admin = service.store.create_token("admin", name="operator")
     headers = {"Authorization": f"Bearer {service.store.create_token('infer', name='client')}"}
-    with ApiServer(service) as url:
+    with ApiServer(service) as url, _gate(gate):
         monkeypatch.setenv("HETEROPLANE_URL", url)
         monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
         _cli(capsys, "model", "push", name, str(path), "--format", "torchscript", "--inputs",
@@ -414,7 +449,8 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
             assert error["code"] == "query_rejected" and "cannot go on" in error["message"], error
             slow = infer(-200.0)
             assert slow.status_code == 504, slow.text
-            assert slow.json()["error"]["code"] == "query_timeout"
+            error = slow.json()["error"]
+            assert error["code"] == "query_timeout" and "within 1 s" in error["message"], error
             assert "Retry-After" not in slow.headers
             after = list(pool.map(infer, [1.0] * 4))
         assert all(a.status_code == 200 for a in after), [a.text for a in after]
