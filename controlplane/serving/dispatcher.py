@@ -457,8 +457,16 @@ class AppDispatcher:
 
     def set_workers(self, endpoints: Sequence[WorkerEndpoint]) -> None:
         """The app's running workers now: new ones join (healthy), gone ones leave (a batch they
-        hold still completes or fails as it will)."""
+        hold still completes or fails as it will). A worker whose endpoint changed is new: what
+        the one it replaces answered is forgotten (:meth:`_rejection` reads it)."""
+        before = dict(self.placement.workers)
         changed = self.placement.update(endpoints, self.clock_s())
+        if changed:
+            now_workers = self.placement.workers
+            replaced = [i for i, w in before.items() if now_workers.get(i, w) is not w]
+            for stage in self._stages.values():
+                for instance_id in replaced:
+                    stage.answered_in.pop(instance_id, None)
         listed = {e.instance_id for e in endpoints}
         gone = [i for i in {key[1] for key in self._interfered} if i not in listed]
         self.tracker.forget(gone)

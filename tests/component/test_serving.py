@@ -652,6 +652,30 @@ def test_a_hanging_worker_times_out_and_is_taken_out() -> None:
     run(scenario())
 
 
+def test_a_worker_replaced_under_the_same_id_has_answered_nothing_for_the_422_rule() -> None:
+    """The evidence that the model works on a worker is that worker's answers: a new worker
+    under the same instance id (its endpoint changed: a new process, a new address) has given
+    none, so a query its model raises on alone is a 502 there, as on any worker that has
+    answered nothing (it was a 422 on the answers of the worker it replaced)."""
+
+    async def scenario() -> None:
+        old, new = await fleet([LARGE, LARGE], foreign=True)
+        new.poison = poisoned
+        dispatcher, unhealthy = watched_dispatcher([old], config(models=("tiny",)))
+        assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+        dispatcher.set_workers([WorkerEndpoint("i-0", LARGE, new.address)])
+        (raised,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(raised, QueryFailedError) and not raised.transport, raised
+        assert new.received == 1 and old.received == 1
+        assert isinstance(await dispatcher.submit([row(2, 0.9)]), InferResult)
+        (again,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(again, QueryRejectedError), again  # the new worker has answered
+        assert unhealthy == []
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
     """A value-dependent slow path: the call times out and the worker, alive, answers its
     probe. It leaves matching (still busy with the batch), and the query is not sent to the
