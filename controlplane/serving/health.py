@@ -17,8 +17,8 @@ who is probed, which failed queries are tried again, and who hears of a lost wor
   alone in it 504 instead (:meth:`AppDispatcher._failed
   <controlplane.serving.dispatcher.AppDispatcher>`).
 - **Probes of the unhealthy** (:meth:`Health.due`, :meth:`Health.recover`): once its backoff is
-  over, an unhealthy worker is probed (``GET /health``); one that answers ``ok`` (and is still
-  the app's) serves again, the others wait out a longer backoff.
+  over, an unhealthy worker is probed (``GET /v2/health/ready``); one that answers 200 (and is
+  still the app's) serves again, the others wait out a longer backoff.
 - **Idle probes** (:meth:`Health.probe_idle`): a healthy worker that no call has reached for
   ``idle_probe_s`` must answer its probe too, so one that died while idle leaves matching
   (recorded like a failed call with nothing in flight) before a query is sent to it. A worker that
