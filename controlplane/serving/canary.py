@@ -14,7 +14,11 @@ request) into the loop's :class:`~controlplane.serving.versions.VersionMeter`, p
 A query the new version answers is also the app's demand (its arrival time in the app's
 arrivals, which the tuner, the gear switcher and the re-plan read), not in the old version's
 figures.
-A query refused for its own inputs (422) is the client's error, no version's.
+A query refused for its own inputs (422) is the client's error, no version's, where both
+versions refuse it. A query the new version refuses and the old one answers is the new
+version's error (a version that raises on inputs the old one serves): in a canary step the old
+version's answer goes to the client, in a shadow step it had already; where the old version
+refuses it too, the client gets the old version's 422 and no version is counted.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from controlplane.errors import ServingError
+from controlplane.errors import QueryRejectedError, ServingError
 from controlplane.policies.rollout import routed_to_new
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.modelio import Row
@@ -64,7 +68,14 @@ async def split_infer(
         compare.add_done_callback(loop._background.discard)
         return result
     if routed_to_new(request_id, route.share):
-        answer = await _on_new(loop, app, route, inputs, sample_ids, received, deadline_s)
+        try:
+            answer = await _on_new(loop, app, route, inputs, sample_ids, received, deadline_s)
+        except QueryRejectedError:
+            # The old version's answer says whose error it is: its own 422 (the inputs) is
+            # raised to the client uncounted; an answer makes it the new version's.
+            result = await _on_old(loop, app, route, inputs, sample_ids, received, deadline_s)
+            loop.versions.failed(app, route, route.new_version)
+            return result
         if answer is not None:
             # The app's demand is every query of it: the tuner sizes the fleet the queries
             # come back to (a roll-back, the handover's end) on it.
@@ -150,7 +161,10 @@ async def _compare(
 ) -> None:
     try:
         new = await shadow
-    except Exception:  # the client's inputs: the old version answered them, nothing to compare
+    except QueryRejectedError:  # inputs the old version answered: the new version's error
+        loop.versions.failed(app, route, route.new_version)
+        return
+    except Exception:  # nothing the new version is to blame for (a requirement unmet)
         return
     if new is None:
         return

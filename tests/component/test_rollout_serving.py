@@ -236,6 +236,15 @@ def scenario(world: World, body: Callable[[httpx.AsyncClient], Coroutine[Any, An
     return run(inner())
 
 
+async def until(condition: Callable[[], bool], what: str, within_s: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; an AssertionError naming ``what`` past ``within_s``."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not within {within_s:g} s: {what}")
+        await asyncio.sleep(0.001)
+
+
 async def send(world: World, client: httpx.AsyncClient, ids: Sequence[str]) -> list[int]:
     """One query per id (ten at a time); each answer's class (every one must be a 200)."""
 
@@ -451,6 +460,87 @@ def test_a_wrong_version_rolls_back_on_agreement_in_shadow(world: World) -> None
         (rolled,) = await world.tick()
         assert "agreement with the old version 0.000 (0 of 30 samples)" in rolled
         assert world.state(rid).state == "rolled_back"
+
+    scenario(world, body)
+
+
+def test_inputs_the_new_version_raises_on_and_the_old_serves_are_its_error(
+    world: World,
+) -> None:
+    """A new version that raises on inputs the old one serves: the query is the new version's
+    error and the client gets the old version's answer, in a canary step and in shadow; inputs
+    both versions refuse are the client's 422, counted against neither. (A 422 was the
+    client's error whatever the old version made of it: such a version passed its steps.)"""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        new[0].poison = lambda _model, r: int(r[0]) in (7, 8)  # the new version's regression
+        old[0].poison = lambda _model, r: int(r[0]) == 8  # inputs bad for both
+        rid = world.start(shadow=True)
+        await world.workers_up(rid, new)
+        headers = {"Authorization": f"Bearer {world.token}"}
+
+        def figures(step: int) -> tuple[int, int, int]:
+            f = world.serving.versions.figures(APP, rid, step).get("digits-tiny@2")
+            return (0, 0, 0) if f is None else (f.queries, f.errors, f.compared)
+
+        # Shadow: the client has the old version's answer; the new one's refusal is its error.
+        poisoned = await client.post(
+            f"/v1/apps/{APP}/infer", json={"inputs": [row(7)]}, headers=headers
+        )
+        assert poisoned.status_code == 200, poisoned.text
+        assert poisoned.json()["outputs"] == [7]
+        # The shadow's refusal comes back after the client's answer.
+        await until(lambda: figures(0)[0] >= 1, "the new version's refusal counted")
+        assert figures(0) == (1, 1, 0)
+        refused = await client.post(
+            f"/v1/apps/{APP}/infer", json={"inputs": [row(8)]}, headers=headers
+        )
+        assert refused.status_code == 422, refused.text  # the old version's own refusal
+        assert await send(world, client, ["ok-0"]) == [0]
+        await until(lambda: figures(0)[2] >= 1, "the good query compared")
+        assert figures(0) == (2, 1, 1)  # the query both refused counted by neither
+
+    scenario(world, body)
+
+
+def test_a_canary_query_the_new_version_refuses_is_answered_by_the_old_one(
+    world: World,
+) -> None:
+    """The canary half of the test above: at a 100% step every query goes to the new version
+    first; one it raises on while the old version serves it is answered by the old version and
+    counted as the new version's error; one both refuse is the client's 422, counted by
+    neither."""
+
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        new[0].poison = lambda _model, r: int(r[0]) in (7, 8)
+        old[0].poison = lambda _model, r: int(r[0]) == 8
+        rid = world.start(steps=(1.0,))
+        await world.workers_up(rid, new)
+        headers = {"Authorization": f"Bearer {world.token}"}
+
+        def figures() -> tuple[int, int]:
+            f = world.serving.versions.figures(APP, rid, 0).get("digits-tiny@2")
+            return (0, 0) if f is None else (f.queries, f.errors)
+
+        served_before = old[0].requests
+        answer = await client.post(
+            f"/v1/apps/{APP}/infer", json={"inputs": [row(7)]}, headers=headers
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"] == [7]  # the old version's answer
+        assert old[0].requests == served_before + 1
+        assert figures() == (1, 1)
+        refused = await client.post(
+            f"/v1/apps/{APP}/infer", json={"inputs": [row(8)]}, headers=headers
+        )
+        assert refused.status_code == 422, refused.text
+        assert figures() == (1, 1)  # the inputs' fault: no version's error
+        assert await send(world, client, ["ok-0"]) == [0]
+        assert figures() == (2, 1)
 
     scenario(world, body)
 
