@@ -202,8 +202,8 @@ def parse_infer_request(
         document = load_json(document)
     if not isinstance(document, Mapping):
         raise OipError("body must be a JSON object")
-    unknown = sorted(set(document) - _REQUEST_KEYS)
-    if unknown:
+    if not _REQUEST_KEYS.issuperset(document):
+        unknown = sorted(set(document) - _REQUEST_KEYS)
         raise OipError(f"unknown keys: {', '.join(map(str, unknown))}")
     _check_parameters(document, "'parameters'")
     request_id = document.get("id")
@@ -227,9 +227,9 @@ def parse_infer_request(
         if name in given:
             raise OipError(f"input {name!r} is given twice")
         given[name] = entry
-    missing = [name for name in specs if name not in given]
-    if missing:
-        raise OipError(f"input {missing[0]!r} is missing")
+    if len(given) != len(specs):  # each one given is one of specs, once
+        missing = next(name for name in specs if name not in given)
+        raise OipError(f"input {missing!r} is missing")
     arrays: dict[str, np.ndarray] = {}
     batch_size: int | None = None
     first = ""
@@ -286,10 +286,11 @@ def decode_tensor(entry: Mapping[str, Any], spec: TensorSpec, *, max_batch_size:
     """One request tensor as an array of ``spec``'s numpy type and the request's shape;
     :class:`OipError` naming the input when its datatype, shape or values do not fit ``spec``."""
     name = spec.name
-    unknown = sorted(set(entry) - _INPUT_KEYS)
-    if unknown:
+    if not _INPUT_KEYS.issuperset(entry):
+        unknown = sorted(set(entry) - _INPUT_KEYS)
         raise OipError(f"input {name!r}: unknown keys: {', '.join(map(str, unknown))}")
-    _check_parameters(entry, f"input {name!r}: 'parameters'")
+    if "parameters" in entry:
+        _check_parameters(entry, f"input {name!r}: 'parameters'")
     datatype = entry.get("datatype")
     if datatype != spec.datatype:
         raise OipError(f"input {name!r}: datatype {datatype!r}, expected {spec.datatype!r}")
@@ -389,14 +390,17 @@ def tensor_values(data: list[Any] | np.ndarray, spec: TensorSpec) -> np.ndarray:
         if raw.dtype.kind == "b" or (isinstance(data, list) and _holds_bool(data)):
             raise OipError(f"input {name!r}: {spec.datatype} data must be numbers")
         # Refused before the cast, which would make an overflow inf (a np.errstate around it
-        # cost as much as the cast at thousands of queries a second). A NaN (binary tensors
-        # can carry it) makes max and min NaN, which fails both comparisons: no pass over the
-        # cast values is needed to find it.
-        # Integers (64 bits at most) are all finite in FP32 and FP64: only FP16 needs the check.
+        # cost as much as the cast at thousands of queries a second). Floats by their largest
+        # magnitude (one reduction, where max and min took two): a NaN (binary tensors can
+        # carry it) makes it NaN, which fails the comparison, so no pass over the cast values
+        # is needed to find it. Integers (64 bits at most) are all finite in FP32 and FP64:
+        # only FP16 needs their check, by max and min (int64's least has no int64 magnitude).
         largest = _FLOAT_MAX[dtype]
-        if (raw.dtype.kind == "f" or largest < _INT_MAX) and not (
-            raw.max() <= largest and raw.min() >= -largest
-        ):
+        if raw.dtype.kind == "f":
+            fits = np.abs(raw).max() <= largest
+        else:
+            fits = largest >= _INT_MAX or (raw.max() <= largest and raw.min() >= -largest)
+        if not fits:
             raise OipError(f"input {name!r}: {_not_finite(raw, spec.datatype)}")
         return raw.astype(dtype).reshape(-1)
     return raw.astype(dtype).reshape(-1)

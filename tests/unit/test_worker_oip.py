@@ -415,3 +415,43 @@ def test_binary_bytes_of_another_datatype_are_refused_for_their_datatype() -> No
     document["inputs"][0]["parameters"]["binary_data_size"] = 14
     with pytest.raises(OipError, match="input 'features': datatype 'BYTES', expected 'FP32'"):
         with_binary_inputs(document, binary[:14] + binary[52:], TABULAR)
+
+
+HALF = ModelSignature((TensorSpec("half", "FP16", (-1, 2)),), FAMILY_SIGNATURE.outputs)
+
+
+@pytest.mark.parametrize(
+    ("signature", "data", "message"),
+    [
+        (TABULAR, [-1e39] + [0.0] * 12, "input 'features': a value is too large for FP32"),
+        (TABULAR, [0.0] * 12 + [float("-inf")], "input 'features': a value is infinite:"),
+        (HALF, [65504.0, -65504.0], None),
+        (HALF, [65504, -65504], None),
+        (HALF, [0.5, -65536.0], "input 'half': a value is too large for FP16"),
+        (HALF, [1, -70000], "input 'half': a value is too large for FP16"),
+        (HALF, [1, -(2**63)], "input 'half': a value is too large for FP16"),
+        (HALF, [1, 2**64 - 1], "input 'half': a value is too large for FP16"),
+    ],
+)
+def test_values_past_a_float_types_range_are_refused_with_their_reason(
+    signature: ModelSignature, data: list[float], message: str | None
+) -> None:
+    """A float input's range is checked by its values' magnitude, an integer's (int64's least
+    has no int64 magnitude) by its least and largest: the same refusals either way."""
+    spec = signature.inputs[0]
+    document = {"inputs": [tensor(spec.name, [1, len(data)], data, spec.datatype)]}
+    if signature is TABULAR:
+        document["inputs"].append(tensor("ids", [1, 2], [0, 1], "INT64"))
+    if message is None:
+        parsed = parse_infer_request(document, signature, max_batch_size=8)
+        assert parsed.inputs[spec.name].tolist() == [data]
+        return
+    assert str(refusal(document, signature)).startswith(message)
+
+
+def test_a_missing_input_and_unknown_keys_are_named() -> None:
+    assert str(refusal(request(zeta=1, alpha=2))) == "unknown keys: alpha, zeta"
+    only_ids = request(inputs=[tensor("ids", [1, 2], [0, 1], "INT64")])
+    assert str(refusal(only_ids)) == "input 'features' is missing"
+    extra = {**tensor("features", [1, 13], [0] * 13), "b": 1, "a": 2}
+    assert str(refusal(with_features(extra))) == "input 'features': unknown keys: a, b"
