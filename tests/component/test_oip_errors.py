@@ -8,6 +8,7 @@ the API's own error body.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,15 +18,18 @@ import numpy as np
 import pytest
 
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES
-from controlplane.api.routes.oip import body_limit
+from controlplane.api.routes.oip import body_limit, check_binary_switches, config_signature
 from controlplane.api.schemas import MAX_INFER_SAMPLES
+from controlplane.serving.modelio import ModelIO
 from provisioners.artifacts import ModelSignature, TensorSpec
+from provisioners.worker.oip import OipError
 from tests.component.test_oip_routes import as_artifacts, binary_request, family_request
 from tests.component.test_serving import (
     LARGE,
     SMALL,
     ApiWorld,
     api_run,
+    config,
     endpoints,
     fleet,
     row,
@@ -288,3 +292,43 @@ def test_json_of_the_wrong_type_is_a_400_naming_the_field(
         assert workers[0].requests == 0
 
     api_run(world, body)
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (
+            {"parameters": {"binary_data_output": None}},
+            "parameters.binary_data_output must be true or false, got null",
+        ),
+        (
+            {
+                "parameters": {"binary_data_output": True},
+                "outputs": [{"name": "a"}, "b", {"name": "c", "parameters": {"binary_data": 1}}],
+            },
+            "outputs[2].parameters.binary_data must be true or false, got int 1",
+        ),
+        ({"outputs": [{"name": "a", "parameters": {"binary_data": False}}]}, None),
+    ],
+)
+def test_a_binary_switch_is_refused_naming_where_it_is(
+    document: dict[str, Any], message: str | None
+) -> None:
+    if message is None:
+        check_binary_switches(document)
+        return
+    with pytest.raises(OipError) as refused:
+        check_binary_switches(document)
+    assert str(refused.value) == message
+
+
+def test_a_configs_signature_is_its_own_once_worked_out() -> None:
+    """An app's ``/v2`` signature is worked out once per config (not once per query) and a
+    new config, as a changed spec or plan makes, gets its own."""
+    first = config()
+    assert config_signature(first) is config_signature(first)
+    assert config_signature(first).inputs[0].shape == (-1, 64)  # the demo family's pixels
+    images = ModelIO("large", IMAGES)
+    changed = dataclasses.replace(first, io={"tiny": ModelIO("tiny", IMAGES), "large": images})
+    assert config_signature(changed) == IMAGES
+    assert config_signature(first).inputs[0].shape == (-1, 64)

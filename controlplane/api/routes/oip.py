@@ -48,6 +48,7 @@ document: the protocol is documented by KServe
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import math
@@ -71,6 +72,7 @@ from controlplane.api.routes import AppName
 from controlplane.api.routes.infer import received_s
 from controlplane.api.schemas import MAX_INFER_SAMPLES
 from controlplane.errors import NotFoundError, ServingUnavailableError
+from controlplane.serving.config import AppConfig
 from controlplane.serving.dispatcher import InferResult
 from controlplane.serving.loop import ServingLoop, model_io
 from controlplane.serving.modelio import ModelIOError, app_signature, stack_outputs
@@ -227,6 +229,16 @@ async def signature_of(serving: ServingLoop, app: str, received: float | None) -
         config = (await serving.dispatcher_for(app, received)).config
     except UnprofiledModelError:
         return await asyncio.to_thread(registered_signature, serving, app)
+    return config_signature(config)
+
+
+# An app's config is replaced, not changed, when its spec or plan changes (AppDispatcher.update),
+# and compares by identity: its signature is worked out once per config, not once per query.
+# A few configs are kept (each holds its app's profiles and validation records): more apps
+# served at once than that each work theirs out again, as every query did before.
+@functools.lru_cache(maxsize=16)
+def config_signature(config: AppConfig) -> ModelSignature:
+    """The ``/v2`` signature of an app served by ``config`` (:func:`signature_of`)."""
     return app_signature([config.model_io(m) for m in config.models])
 
 
@@ -347,7 +359,7 @@ async def serve_parsed(
     rows: list[Any] = list(arrays[0]) if len(arrays) == 1 else list(zip(*arrays, strict=True))
     deadline = _deadline_s(document, serving.clock.now_s() if received is None else received)
     result = await serving.infer(app, rows, None, None, received, deadline, request_id=parsed.id)
-    names = parsed.outputs or tuple(spec.name for spec in signature.outputs)
+    names = parsed.outputs or [spec.name for spec in signature.outputs]
     try:
         outputs = stack_outputs(result.replies, names)
     except ModelIOError as error:
@@ -414,6 +426,7 @@ def reads_own_body(scope: Scope) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=64)  # the same few signatures, query after query
 def body_limit(signature: ModelSignature, ceiling: int) -> int:
     """The largest body ``signature``'s model takes: what its inputs take for
     :data:`MAX_INFER_SAMPLES` rows as JSON text (:data:`_JSON_VALUE_BYTES` a value: more than
@@ -458,19 +471,20 @@ def check_binary_switches(document: Mapping[str, Any]) -> None:
     ``parameters.binary_data_output`` and an output's ``parameters.binary_data``, are booleans
     when given: :class:`OipError` (400) naming the one that is not (``"true"`` or ``1`` had been
     taken for false, and the outputs answered as JSON without a word)."""
-    parameters = document.get("parameters")
-    switches = [("parameters.binary_data_output", parameters)]
+    _check_switch(document.get("parameters"), "binary_data_output", "parameters")
     entries = document.get("outputs")
     for index, entry in enumerate(entries if isinstance(entries, list) else ()):
         if isinstance(entry, Mapping):
-            switches.append((f"outputs[{index}].parameters.binary_data", entry.get("parameters")))
-    for field, settings in switches:
-        key = field.rpartition(".")[2]
-        if isinstance(settings, Mapping) and key in settings:
-            value = settings[key]
-            if not isinstance(value, bool):
-                given = "null" if value is None else f"{type(value).__name__} {value!r:.40}"
-                raise OipError(f"{field} must be true or false, got {given}")
+            _check_switch(entry.get("parameters"), "binary_data", f"outputs[{index}].parameters")
+
+
+def _check_switch(settings: object, key: str, where: str) -> None:
+    """:func:`check_binary_switches` of one ``parameters`` object (``where`` names it)."""
+    if isinstance(settings, Mapping) and key in settings:
+        value = settings[key]
+        if not isinstance(value, bool):
+            given = "null" if value is None else f"{type(value).__name__} {value!r:.40}"
+            raise OipError(f"{where}.{key} must be true or false, got {given}")
 
 
 def binary_outputs(document: Mapping[str, Any], names: Sequence[str]) -> set[str]:
