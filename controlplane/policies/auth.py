@@ -25,6 +25,7 @@ unsalted hash is enough (a slow password hash protects guessable secrets, which 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import secrets
@@ -74,6 +75,7 @@ def parse_scope(scope: str) -> Scope:
         raise UnknownScopeError(scope, [s.value for s in Scope]) from None
 
 
+@functools.lru_cache(maxsize=64)  # a few scopes, asked on every request
 def scope_allows(granted: str, required: str) -> bool:
     """Whether a token of scope ``granted`` may do what needs ``required`` (unknown: never)."""
     try:
