@@ -45,6 +45,11 @@ timings, late).
   (the route's: FastAPI, its dependencies, the token check in the thread pool) and to
   ``POST /v2/models/bench/infer`` (answered by the fast path); the answer, the protocol's
   document of the model's ``logits``, checked the same in both.
+- ``asgi_oip_binary_fast_path_us``: the same sample in Triton's binary tensor extension, as
+  ``tritonclient.http`` sends it by default (the input's raw bytes after the JSON part, whose
+  length ``Inference-Header-Content-Length`` gives, and ``binary_data_output``: the answer's
+  ``logits`` in binary too), to ``POST /v2/models/bench/infer`` (the fast path); the answer's
+  JSON part checked.
 - ``asgi_fast_path_refused_us``, ``asgi_oip_fast_path_refused_us``: the fast path's requests of
   ``/v1`` and ``/v2`` when admission refuses them (the serving loop's ``infer`` raises the
   :class:`~controlplane.errors.OverloadedError` admission raises, and its ``refuse_early``
@@ -87,6 +92,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
@@ -105,6 +111,7 @@ from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.modelio import ReplyTensor, Row, WorkerReply
 from controlplane.serving.workers import StaticInstances
 from controlplane.settings import Settings
+from provisioners.worker.oip import HEADER_LENGTH, binary_request_body
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "bench"
@@ -117,6 +124,10 @@ SAMPLE = [i % 17 for i in range(64)]
 BODY = orjson.dumps({"inputs": [SAMPLE]})
 OIP_BODY = orjson.dumps(
     {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 64], "data": SAMPLE}]}
+)
+OIP_BINARY_BODY, OIP_BINARY_HEADER = binary_request_body(
+    [("input", "FP32", np.asarray([SAMPLE], dtype=np.float32))],
+    parameters={"binary_data_output": True},
 )
 LOGITS = [0.1 * i for i in range(10)]
 # JSON to the route, not to the fast path (which takes application/json only).
@@ -147,6 +158,7 @@ ANSWER = InferResult(
         ),
     ),
 )
+BINARY_LOGITS_BYTES = 4 * len(LOGITS)  # the answer's logits in binary (FP32)
 CONNECTIONS = 4  # kept-alive connections to the uvicorn server
 WARMUP = 100  # untimed requests before each loop (at most the loop's own count)
 FIGURES = (
@@ -161,6 +173,7 @@ FIGURES = (
     "fast_path_saves_us",
     "asgi_oip_route_us",
     "asgi_oip_fast_path_us",
+    "asgi_oip_binary_fast_path_us",
     "asgi_fast_path_refused_us",
     "asgi_oip_fast_path_refused_us",
     "uvicorn_http_us",
@@ -316,14 +329,25 @@ def asgi_scope(
 
 
 async def asgi_cpu_us(
-    world: World, n: int, route: bool, oip: bool = False, refused: bool = False
+    world: World,
+    n: int,
+    route: bool,
+    oip: bool = False,
+    refused: bool = False,
+    binary: bool = False,
 ) -> float:
     """CPU per request of ``n`` requests through the app (``oip``: the Open Inference
-    Protocol's), each checked (200, or with ``refused`` admission's 429; answered by the route
-    when ``route``, by the fast path otherwise)."""
-    body = OIP_BODY if oip else BODY
+    Protocol's, with ``binary`` in binary tensors), each checked (200, or with ``refused``
+    admission's 429; answered by the route when ``route``, by the fast path otherwise)."""
+    body = (OIP_BINARY_BODY if binary else OIP_BODY) if oip else BODY
     if oip:
-        template = asgi_scope(world.token, True, OIP_ROUTE_PATH if route else OIP_PATH, OIP_BODY)
+        template = asgi_scope(world.token, True, OIP_ROUTE_PATH if route else OIP_PATH, body)
+        if binary:
+            template["headers"] = [
+                *(h for h in template["headers"] if h[0] != b"content-type"),
+                (b"content-type", b"application/octet-stream"),
+                (HEADER_LENGTH.lower().encode(), str(OIP_BINARY_HEADER).encode()),
+            ]
     else:
         template = asgi_scope(world.token, json_content=not route)
     statuses: list[int] = []
@@ -361,7 +385,7 @@ async def asgi_cpu_us(
         )
     if routed != (n if route else 0):
         raise RuntimeError(f"{which}: {routed} of {n} requests went through the route")
-    answer = orjson.loads(bodies[-1])
+    answer = orjson.loads(bodies[-1][:-BINARY_LOGITS_BYTES] if binary else bodies[-1])
     if refused:
         error = answer.get("error")
         code = error if oip else (error or {}).get("code")
@@ -371,6 +395,8 @@ async def asgi_cpu_us(
         (output,) = answer.get("outputs", [{}])
         if output.get("name") != "logits" or output.get("shape") != [1, 10]:
             raise RuntimeError(f"{which} (/v2): unexpected answer {bodies[-1]!r}")
+        if binary and output.get("parameters") != {"binary_data_size": BINARY_LOGITS_BYTES}:
+            raise RuntimeError(f"{which} (/v2, binary): unexpected answer {bodies[-1]!r}")
     elif answer != answer_document(ANSWER):
         raise RuntimeError(f"{which}: unexpected answer {bodies[-1]!r}")
     return spent / n * 1e6
@@ -386,6 +412,7 @@ async def asgi_figures(world: World, n: int, repeats: int) -> dict[str, list[flo
             "asgi_fast_path_us": [],
             "asgi_oip_route_us": [],
             "asgi_oip_fast_path_us": [],
+            "asgi_oip_binary_fast_path_us": [],
             "asgi_fast_path_refused_us": [],
             "asgi_oip_fast_path_refused_us": [],
         }
@@ -394,6 +421,9 @@ async def asgi_figures(world: World, n: int, repeats: int) -> dict[str, list[flo
             figures["asgi_fast_path_us"].append(await asgi_cpu_us(world, n, route=False))
             figures["asgi_oip_route_us"].append(await asgi_cpu_us(world, n, True, oip=True))
             figures["asgi_oip_fast_path_us"].append(await asgi_cpu_us(world, n, False, oip=True))
+            figures["asgi_oip_binary_fast_path_us"].append(
+                await asgi_cpu_us(world, n, False, oip=True, binary=True)
+            )
             world.serving.refusing = True
             try:
                 for name, oip in (
