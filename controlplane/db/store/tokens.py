@@ -31,6 +31,10 @@ from controlplane.policies import auth
 
 __all__ = ["LAST_USED_RESOLUTION_S", "TokenStore"]
 
+# A cached answer with less than this left before it expires is due a new verification
+# (cached_token): half of its life.
+_DUE_AFTER = timedelta(seconds=TOKEN_CACHE_S / 2)
+
 # last_used_at of a token is refreshed at most this often: not a write per request.
 LAST_USED_RESOLUTION_S = 60.0
 
@@ -100,7 +104,7 @@ class TokenStore(StoreBase):
         cached = self._token_cache.get(auth.hash_token(token), now)
         if cached is None:
             return None, True
-        due = now >= cached.expires_at - timedelta(seconds=TOKEN_CACHE_S / 2)
+        due = now >= cached.expires_at - _DUE_AFTER
         return cached.principal, due
 
     @_translated
