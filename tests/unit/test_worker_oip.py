@@ -418,6 +418,7 @@ def test_binary_bytes_of_another_datatype_are_refused_for_their_datatype() -> No
 
 
 HALF = ModelSignature((TensorSpec("half", "FP16", (-1, 2)),), FAMILY_SIGNATURE.outputs)
+DOUBLE = ModelSignature((TensorSpec("double", "FP64", (-1, 2)),), FAMILY_SIGNATURE.outputs)
 
 
 @pytest.mark.parametrize(
@@ -431,13 +432,16 @@ HALF = ModelSignature((TensorSpec("half", "FP16", (-1, 2)),), FAMILY_SIGNATURE.o
         (HALF, [1, -70000], "input 'half': a value is too large for FP16"),
         (HALF, [1, -(2**63)], "input 'half': a value is too large for FP16"),
         (HALF, [1, 2**64 - 1], "input 'half': a value is too large for FP16"),
+        (DOUBLE, [1e308, -1e308], None),
+        (DOUBLE, [0.5, float("inf")], "input 'double': a value is infinite: FP64 inputs must"),
+        (DOUBLE, [float("nan"), 0.5], "input 'double': a value is NaN: FP64 inputs must"),
     ],
 )
 def test_values_past_a_float_types_range_are_refused_with_their_reason(
     signature: ModelSignature, data: list[float], message: str | None
 ) -> None:
-    """A float input's range is checked by its values' magnitude, an integer's (int64's least
-    has no int64 magnitude) by its least and largest: the same refusals either way."""
+    """Values of a float type no wider than the input's are checked for NaN and infinities
+    alone, wider ones and integers by their least and largest: the same refusals either way."""
     spec = signature.inputs[0]
     document = {"inputs": [tensor(spec.name, [1, len(data)], data, spec.datatype)]}
     if signature is TABULAR:
