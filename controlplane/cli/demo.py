@@ -249,8 +249,12 @@ def _plan_summary(plan: PlanRecord | None, budget_usd_per_hr: float) -> str:
     if plan is None:
         return f"no plan applied (none feasible within ${plain(budget_usd_per_hr)}/hr)"
     typed = plan.plan
+    # Each stage's fleet, named by its stage where there are several (a cascade's three fleets
+    # of one type each read "emu.cpu.small=1; emu.cpu.small=1; emu.cpu.small=1" without them).
+    named = len(typed.stages) > 1
     fleets = "; ".join(
-        ",".join(f"{name}={count}" for name, count in sorted(stage.fleet.items()))
+        (f"{stage.name}: " if named else "")
+        + ",".join(f"{name}={count}" for name, count in sorted(stage.fleet.items()))
         for stage in typed.stages
     )
     p99 = "n/a" if typed.predicted_p99_ms is None else f"{typed.predicted_p99_ms:.0f} ms"
