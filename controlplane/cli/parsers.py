@@ -864,7 +864,8 @@ def _profile(subparsers: Subparsers) -> None:
         help="measure the demo model family's latency profiles, summarise a profile file, or"
         " have the service measure an app's registered models",
         description="Measure latency profiles of the demo model family on this machine (and the"
-        " emulated instance types derived from it), or summarise a profile file.",
+        " emulated instance types derived from it), summarise a profile file, or (run) have the"
+        " service measure an app's registered models on the app's instance types.",
     )
     actions = parser.add_subparsers(dest="profile_command", metavar="ACTION")
     actions.required = True

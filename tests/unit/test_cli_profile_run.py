@@ -122,3 +122,14 @@ def test_bad_options_are_one_line(
         main(["profile", "run", "--app", "digits", option, value])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_profile_help_describes_run_beside_measure_and_show(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["profile", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert stop.value.code == 0
+    description = out.split("positional arguments")[0]
+    assert "have the service measure an app's registered models" in description
