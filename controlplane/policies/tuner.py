@@ -457,7 +457,9 @@ class TunerConfig:
     # The live tuner's (docs/tuner.md, "Noise: the persistence test"): while the arrivals in
     # memory span less than twice ``persistence_s`` (a restarted service's, or load after an
     # idle gap: the test can take no burst out), a scale-up goes no further than the stage's
-    # planned capacity. The replay leaves it off: its memory starts with its trace.
+    # planned capacity; after that a window the test has yet to read (2 max(w, persistence)
+    # over the span, under ``recent_s``) reads no more than the plan. The replay leaves it off:
+    # its memory starts with its trace.
     hold_young_memory: bool = False
 
     def __post_init__(self) -> None:
@@ -1829,6 +1831,26 @@ def _young_memory(arrivals: np.ndarray, config: TunerConfig) -> bool:
     return float(arrivals[-1] - arrivals[0]) < 2.0 * config.persistence_s
 
 
+def _untested_windows(arrivals: np.ndarray, config: TunerConfig) -> np.ndarray:
+    """Which of ``config``'s windows a young memory holds at the planned rate (with
+    ``hold_young_memory``): those the persistence test reads once the arrivals span twice
+    L = max(w, ``persistence_s``) (:func:`estimator.envelope.recurring_envelope`), while they
+    span less. A window with 2L >= ``recent_s`` is never tested in the memory and reads the
+    whole envelope, as in steady traffic.
+
+    >>> config = TunerConfig((1.0, 16.0, 32.0), (5.0,) * 3, 1.0, {}, {}, recent_s=60.0,
+    ...     persistence_s=15.0, hold_young_memory=True)
+    >>> [_untested_windows(np.array([0.0, span]), config).tolist() for span in (29.0, 31.0, 32.0)]
+    [[True, True, False], [False, True, False], [False, False, False]]
+    """
+    windows = np.asarray(config.windows_s, dtype=np.float64)
+    if not config.hold_young_memory or config.persistence_s is None or arrivals.size == 0:
+        return np.zeros(windows.size, dtype=bool)
+    twice = 2.0 * np.maximum(windows, config.persistence_s)
+    untested: np.ndarray = (float(arrivals[-1] - arrivals[0]) < twice) & (twice < config.recent_s)
+    return untested
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -1881,6 +1903,7 @@ def tune(
     # Scale-up reads the envelope without a single short burst (one that will be over before
     # an instance boots buys nothing), scale-down the whole one (capacity stays while a burst is
     # in memory): the band between the two readings is the tuner's hysteresis.
+    untested = _untested_windows(arrivals, config)
     downs: dict[tuple[float, ...], _Reading] = {}
     ups: dict[tuple[float, ...], _Reading] = {}
     without_burst: list[np.ndarray] = []
@@ -1901,7 +1924,10 @@ def tune(
                 else recurring_envelope(arrivals, config.windows_s, config.persistence_s).rate_qps
             )
         if planned not in ups:
-            ups[planned] = _Reading.of(without_burst[0], config.windows_s, planned)
+            live = without_burst[0]
+            if untested.any():  # a young memory: no burst the test cannot yet take out is load
+                live = np.where(untested, np.minimum(live, planned), live)
+            ups[planned] = _Reading.of(live, config.windows_s, planned)
         return ups[planned]
 
     def burstiness() -> tuple[float, int]:

@@ -280,6 +280,34 @@ def test_a_young_memory_held_by_the_live_tuner_buys_back_the_plan_and_no_more(
     assert fleet_after(at_plan, held, rise[rise < 89.0]) == 3  # 29 s of it: held
 
 
+def test_a_young_memorys_window_longer_than_the_persistence_is_held_until_it_is_tested() -> None:
+    """The persistence test takes a burst out of a window w once the arrivals span twice
+    max(w, persistence): with a persistence of 4 s, the 1 and 4 s windows at 8 s, the 16 s one
+    at 32 s. A restarted service's backlog (2,048 queries in its first second, then the plan's
+    128 qps) read 200 qps on the 16 s window at 10 s, and the stage's hold, over at 8 s, let it
+    buy an instance; a window the test will read is held at the plan until it does. A rise
+    (256 qps) is read on the shorter windows and bought as before."""
+    plan = one_type_stage()
+    held = dataclasses.replace(
+        config(), windows_s=(1.0, 4.0, 16.0), persistence_s=4.0, hold_young_memory=True
+    )
+    backlog = np.sort(np.concatenate([80.0 + np.arange(2048) / 2048, steady(128, 81.0, 90.0)]))
+
+    def fleet_after(seen: np.ndarray, cfg: TunerConfig = held) -> int:
+        _, after = tune(seen, float(seen[-1]), initial_state([plan], 0.0), [plan], cfg)
+        return after.fleets["resnet"]["g"]
+
+    assert fleet_after(backlog) == 3
+    assert fleet_after(steady(256, 80.0, 90.0)) > 3
+    assert fleet_after(backlog, dataclasses.replace(held, hold_young_memory=False)) > 3
+    # A 32 s window, planned at 64 qps, under 192 qps for 59 s: never tested in a minute's memory,
+    # it is read whole, as it is in steady traffic (held, it would be held for good).
+    longest = dataclasses.replace(
+        held, windows_s=(1.0, 4.0, 32.0), planned_rate_qps=(256.0, 256.0, 64.0)
+    )
+    assert fleet_after(30.0 + np.arange(59 * 192) / 192, longest) == 4
+
+
 # --- mixed stages and the budget -------------------------------------------------------------
 
 
