@@ -1990,6 +1990,12 @@ def tune(
     # with a minute of memory had bought an instance for load that stopped 49 s before).
     stopped = config.persistence_s is not None and load_stopped(arrivals, now, config.persistence_s)
     young = _young_memory(arrivals, config)
+    held_why = (
+        f"the memory's arrivals span {float(arrivals[-1] - arrivals[0]):.3g} s < "
+        f"{2.0 * (config.persistence_s or 0.0):g} s: a young memory buys back the plan at most"
+        if young
+        else ""
+    )
     for plan in [] if stopped else plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])
@@ -2004,23 +2010,26 @@ def tune(
             if _short_qps(plan.capacity_at_load_qps(whole), capacity) == 0:
                 continue  # not short even on the whole envelope
             up = reading_up(planned)
-            target = min(plan.capacity_at_load_qps(up.f_live * factor), ceiling)
+            at_load = plan.capacity_at_load_qps(up.f_live * factor)
+            target = min(at_load, ceiling)
             if _short_qps(target, capacity) > 0.0:
                 where = (
                     f"{trend_why}; the planner's capacity there"
                     if trend_why
                     else "the planner's capacity at that load"
                 )
-                text = f"{up.load_why}; {where} {target:.6g} qps"
+                text = f"{up.load_why}; {where} {at_load:.6g} qps"
                 if burst_why:
                     text = f"{text}; {burst_why}"
-                if up.exceed_why:
+                if up.exceed_why and not young:
                     text = f"{up.exceed_why}; {text}"
-                elif capacity < plan.planned_capacity_qps:
-                    # Not more load than planned: the stage is short of what it was sized for.
-                    text = (
-                        f"below plan: planned capacity {plan.planned_capacity_qps:.6g} qps; {text}"
-                    )
+                elif young or capacity < plan.planned_capacity_qps:
+                    # Not more load than planned (or a young memory reads none over it): the
+                    # stage is short of what it was sized for.
+                    restore = ceiling if young else plan.planned_capacity_qps
+                    text = f"below plan: planned capacity {restore:.6g} qps; {text}"
+                    if young:
+                        text = f"{text}; {held_why}"
                 _scale_up_ladder(tick, plan, target, text)
             continue
         if plan.capacity_curve is not None:
@@ -2028,7 +2037,8 @@ def tune(
             target = plan.capacity_for_loads_qps(up.f_live, up.f_sustained)
             # A young memory restores the plan at most: no load over it is read.
             exceed_why = "" if young else up.exceed_why
-            _scale_up_to_load(tick, plan, capacity, target, exceed_why, up.load_why)
+            load_why = f"{up.load_why}; {held_why}" if young else up.load_why
+            _scale_up_to_load(tick, plan, capacity, target, exceed_why, load_why)
             continue
         if plan.planned_share is None:
             up = reading_up(config.planned_rate_qps)
@@ -2048,6 +2058,8 @@ def tune(
                 f"{config.windows_s[up.peak]:g} s, s {s:.6g}, rho {rho:.6g}, planned capacity "
                 f"{plan.planned_capacity_qps:.6g} qps"
             )
+            if young:
+                why = f"{why}; {held_why}"
             needed = need_restore
         k_m = None
         if (

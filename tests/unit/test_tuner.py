@@ -272,6 +272,10 @@ def test_a_young_memory_held_by_the_live_tuner_buys_back_the_plan_and_no_more(
 
     assert fleet_after(at_plan, held) == 3
     assert fleet_after(below, held) == 3
+    # The restore says why it stops at the plan.
+    restored, _ = tune(arrivals, float(arrivals[-1]), below, [plan], held)
+    assert restored and all("below plan" in d.reason for d in restored)
+    assert all("a young memory buys back the plan at most" in d.reason for d in restored)
     replayed = dataclasses.replace(held, hold_young_memory=False)
     assert fleet_after(at_plan, replayed) > 3
     assert fleet_after(below, replayed) > 3

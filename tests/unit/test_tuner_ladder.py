@@ -8,6 +8,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import pytest
@@ -91,11 +92,11 @@ def ticks(
     return made, state
 
 
-def run(plan: TunerStage, cfg: TunerConfig, rate_qps: int, until_s: float) -> list[tuple]:
+def run(plan: TunerStage, cfg: TunerConfig, rate_qps: int, until_s: float) -> list[tuple[Any, ...]]:
     """Tick once a second from 0 to ``until_s`` with ``rate_qps`` arriving from 0; every
     decision as (at, action, type, count), and the final state's fleet."""
     decisions, state = ticks(plan, cfg, steady(rate_qps, 0.0, until_s), until_s)
-    made: list[tuple] = [(d.at_s, d.action, d.instance_type, d.count) for d in decisions]
+    made: list[tuple[Any, ...]] = [(d.at_s, d.action, d.instance_type, d.count) for d in decisions]
     ready = ready_fleets(state, until_s + 1.0)["m"]
     made.append(("final", {t: n for t, n in ready.items() if n}))
     return made
@@ -197,6 +198,33 @@ def test_a_blip_buys_nothing_once_bursts_must_persist(persistence_s: float | Non
     else:
         assert ups == []
         assert dict(state.fleets["m"]) == {"cpu": 4}
+
+
+def test_a_young_memory_restoring_the_plan_says_so_not_the_window_it_held() -> None:
+    """The live tuner's hold (``hold_young_memory``): a restarted service's backlog (512 queries
+    in its first second, then the plan's 32 qps) lifts the 32 s window, which the persistence
+    test never reads in a minute's memory, over the plan; a stage below its plan comes back to
+    it and no further. Its reason had opened with the window over the plan and called the
+    capped target "the planner's capacity at that load": it says below plan, the capacity at
+    the load read, and the hold."""
+    plan = stage()
+    cfg = dataclasses.replace(
+        config(persistence_s=DEFAULT_PERSISTENCE_S),
+        windows_s=(1.0, 2.0, 4.0, 32.0),
+        recent_s=60.0,
+        hold_young_memory=True,
+    )
+    arrivals = np.sort(np.concatenate([80.0 + np.arange(512) / 512, steady(32, 81.0, 100.0)]))
+    below = TunerState(fleets={"m": Fleet.of({"cpu": 2})}, last_change_s=0.0)
+    decisions, after = tune(arrivals, 100.0, below, [plan], cfg)
+    assert dict(after.fleets["m"]) == {"cpu": 4}
+    (up,) = decisions
+    assert up.reason.startswith("scale_up: below plan: planned capacity 40 qps;"), up.reason
+    assert "window 32 s saw" not in up.reason
+    at_load = re.search(r"the planner's capacity at that load ([0-9.]+) qps", up.reason)
+    assert at_load is not None and float(at_load.group(1)) > 40.0, up.reason
+    assert "need 40 qps" in up.reason
+    assert "a young memory buys back the plan at most" in up.reason
 
 
 def test_traffic_smoother_than_planned_is_sized_on_the_ladder_of_its_burstiness() -> None:
