@@ -133,6 +133,7 @@ from controlplane.policies.tuner import (
 )
 from controlplane.serving.config import ServingGear, batch_gear
 from controlplane.serving.dispatcher import AppStatus
+from controlplane.serving.observations import ARRIVALS_KEPT
 from controlplane.spec import ResolvedApp
 from estimator import deadline
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, DEFAULT_PERSISTENCE_S
@@ -735,6 +736,7 @@ class LiveTuner:
             persistence_s=DEFAULT_PERSISTENCE_S * self._max_window_s / DEFAULT_MAX_WINDOW_S,
             # Its memory starts at a restart, or after silence, not with the app's traffic.
             hold_young_memory=True,
+            memory_ring=ARRIVALS_KEPT,
         )
         stages = [
             TunerStage(
@@ -869,6 +871,7 @@ class LiveTuner:
             recent_s=self._load_model_recent_s,
             persistence_s=config.persistence_s,
             hold_young_memory=config.hold_young_memory,
+            memory_ring=config.memory_ring,
         )
         held = _held_types(tuned.state)
         tuned.stages = [

@@ -461,6 +461,11 @@ class TunerConfig:
     # over the span, under ``recent_s``) reads no more than the plan. The replay leaves it off:
     # its memory starts with its trace.
     hold_young_memory: bool = False
+    # The most arrivals the memory holds (the live tuner's: the serving loop's ring,
+    # :data:`controlplane.serving.observations.ARRIVALS_KEPT`): a memory of that many spans the
+    # ring, not the traffic's age, and is never young (at thousands of queries a second the
+    # ring spans less than the persistence test needs: the hold would never end).
+    memory_ring: int | None = None
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -547,6 +552,7 @@ class TunerConfig:
         recent_s: float = DEFAULT_RECENT_S,
         persistence_s: float | None = None,
         hold_young_memory: bool = False,
+        memory_ring: int | None = None,
     ) -> TunerConfig:
         """:meth:`from_planning_trace` with the planning envelope already known (a plan's own,
         or one computed once and kept): the rate at each window.
@@ -572,6 +578,7 @@ class TunerConfig:
             max_counts={} if constraints is None else constraints.caps(names),
             persistence_s=persistence_s,
             hold_young_memory=hold_young_memory,
+            memory_ring=memory_ring,
         )
 
 
@@ -1826,9 +1833,27 @@ def _young_memory(arrivals: np.ndarray, config: TunerConfig) -> bool:
     >>> [_young_memory(np.array([0.0, span]), config) for span in (29.0, 30.0)]
     [True, False]
     """
-    if not config.hold_young_memory or config.persistence_s is None or arrivals.size == 0:
-        return False
-    return float(arrivals[-1] - arrivals[0]) < 2.0 * config.persistence_s
+    young = _young_span_s(arrivals, config)
+    return young is not None and young[0] < 2.0 * young[1]
+
+
+def _young_span_s(arrivals: np.ndarray, config: TunerConfig) -> tuple[float, float] | None:
+    """The span of ``arrivals`` (the memory's) and ``config``'s ``persistence_s``, where
+    ``config`` may hold the memory young: None without
+    ``hold_young_memory`` or a persistence test, for no arrivals, and for a memory that fills
+    its ring (``memory_ring``: its span is the ring's, not the traffic's age).
+
+    >>> config = TunerConfig((1.0,), (5.0,), 1.0, {}, {}, persistence_s=15.0,
+    ...     hold_young_memory=True, memory_ring=3)
+    >>> _young_span_s(np.array([0.0, 2.0]), config), _young_span_s(np.array([0.0, 1, 2]), config)
+    ((2.0, 15.0), None)
+    """
+    persistence_s = config.persistence_s
+    if not config.hold_young_memory or persistence_s is None or arrivals.size == 0:
+        return None
+    if config.memory_ring is not None and arrivals.size >= config.memory_ring:
+        return None
+    return float(arrivals[-1] - arrivals[0]), persistence_s
 
 
 def _untested_windows(arrivals: np.ndarray, config: TunerConfig) -> np.ndarray:
@@ -1844,10 +1869,12 @@ def _untested_windows(arrivals: np.ndarray, config: TunerConfig) -> np.ndarray:
     [[True, True, False], [False, True, False], [False, False, False]]
     """
     windows = np.asarray(config.windows_s, dtype=np.float64)
-    if not config.hold_young_memory or config.persistence_s is None or arrivals.size == 0:
+    young = _young_span_s(arrivals, config)
+    if young is None:
         return np.zeros(windows.size, dtype=bool)
-    twice = 2.0 * np.maximum(windows, config.persistence_s)
-    untested: np.ndarray = (float(arrivals[-1] - arrivals[0]) < twice) & (twice < config.recent_s)
+    span, persistence_s = young
+    twice = 2.0 * np.maximum(windows, persistence_s)
+    untested: np.ndarray = (span < twice) & (twice < config.recent_s)
     return untested
 
 

@@ -715,6 +715,25 @@ def test_a_rise_at_a_restart_still_scales_the_live_tuner_up(store: Store, tmp_pa
     assert len(fake.list({})) > running
 
 
+def test_a_rise_that_fills_the_arrivals_ring_is_bought_by_the_live_tuner(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The serving loop keeps the last ARRIVALS_KEPT arrivals (262,144): past about 8,700 qps
+    # they span less than the persistence test's 30 s, and a memory held young until it spans
+    # that would never grow the stage. The ring made 200 arrivals here (5 s at 40 qps).
+    monkeypatch.setattr(live_tuner, "ARRIVALS_KEPT", 200)
+    rising = 1020.0 + np.arange(int(80 * 40.0)) / 40.0
+
+    def ring(now: float) -> np.ndarray:
+        seen = rising[rising <= now]
+        return seen[-200:]
+
+    clock, tuner, reconciler, fake, running = restarted(store, tmp_path, ring)
+    run_ticks(clock, tuner, reconciler, fake, 40)  # 1020 s to 1060 s
+    assert "scale_up" in [d.kind for d in store.list_decisions(APP)]
+    assert len(fake.list({})) > running
+
+
 def test_load_after_an_idle_gap_buys_nothing_for_its_opening_burst(
     store: Store, tmp_path: Path
 ) -> None:

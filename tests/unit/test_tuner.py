@@ -284,6 +284,26 @@ def test_a_young_memory_held_by_the_live_tuner_buys_back_the_plan_and_no_more(
     assert fleet_after(at_plan, held, rise[rise < 89.0]) == 3  # 29 s of it: held
 
 
+def test_a_memory_that_fills_its_ring_is_never_held_young() -> None:
+    """The live tuner's memory is the serving loop's ring of arrivals: at a rate that fills it
+    in less than twice the persistence its span is the ring's, not the traffic's age, and the
+    hold would never end (a stage at its plan would never grow). A rise of 40 s at twice the
+    plan's rate, read through a ring of fewer arrivals than it holds, is bought; the same
+    arrivals in a memory the hold reads as young (a ring large enough) are not."""
+    plan = one_type_stage()
+    rise = steady(256, 60.0, 100.0)
+    ring = rise[rise >= 80.0]  # what a ring of that many arrivals keeps: the last 20 s
+    held = dataclasses.replace(config(), persistence_s=15.0, hold_young_memory=True)
+
+    def fleet_after(cfg: TunerConfig) -> int:
+        _, after = tune(ring, float(ring[-1]), initial_state([plan], 0.0), [plan], cfg)
+        return after.fleets["resnet"]["g"]
+
+    assert fleet_after(held) == 3  # young: 20 s of arrivals, the hold at the plan
+    assert fleet_after(dataclasses.replace(held, memory_ring=ring.size)) > 3
+    assert fleet_after(dataclasses.replace(held, memory_ring=ring.size + 1)) == 3
+
+
 def test_a_young_memorys_window_longer_than_the_persistence_is_held_until_it_is_tested() -> None:
     """The persistence test takes a burst out of a window w once the arrivals span twice
     max(w, persistence): with a persistence of 4 s, the 1 and 4 s windows at 8 s, the 16 s one
