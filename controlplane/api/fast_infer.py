@@ -75,6 +75,7 @@ from controlplane.api.routes.infer import (
     REQUEST_ID_HEADER,
     answer_document,
     check_inputs,
+    stamp_receipt,
 )
 from controlplane.api.routes.oip import (
     HEADER_LENGTH,
@@ -212,7 +213,9 @@ class FastInferMiddleware:
     """Answer the common ``POST /v1/apps/{app}/infer`` outside FastAPI (module docstring).
 
     ``services`` is the app's :class:`~controlplane.api.deps.Services` (its store, serving loop
-    and request counter); ``clock_s`` the serving loop's clock, which stamps the receipt."""
+    and request counter); ``clock_s`` the serving loop's clock, which stamps the receipt, or,
+    with ``head_stamps``, the protocol's stamp (:func:`~controlplane.api.routes.infer.
+    stamp_receipt`)."""
 
     def __init__(
         self,
@@ -221,10 +224,12 @@ class FastInferMiddleware:
         clock_s: Callable[[], float],
         max_body_bytes: int = MAX_BODY_BYTES,
         max_header_bytes: int = MAX_HEADER_BYTES,
+        head_stamps: bool = False,
     ) -> None:
         self.app = app
         self.services = services
         self.clock_s = clock_s
+        self.head_stamps = head_stamps
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
         self.counter: RequestCounter = services.requests
@@ -242,7 +247,7 @@ class FastInferMiddleware:
         if match is None or serving is None or len(match.group(1)) > APP_NAME_MAX:
             await self.app(scope, receive, send)
             return
-        scope[RECEIVED_S] = self.clock_s()
+        stamp_receipt(scope, self.clock_s, self.head_stamps)
         principal = None
         token = ""
         # The route of /v2 reads any content type (Triton's binary bodies are octet-stream)

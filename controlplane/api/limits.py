@@ -56,6 +56,10 @@ MAX_JSON_DEPTH = 64
 # The scope extension under which heteroplane serve's HTTP protocol hands the route its
 # connection (controlplane.service.protocol); mark_authenticated tells it a token was valid.
 CONNECTION_EXTENSION = "heteroplane.connection"
+# The scope key under which heteroplane serve's HTTP protocol stamps a request's head as whole
+# (time.monotonic(), in the socket read that completed it): the receipt stamp where the serving
+# loop's clock is the system's (controlplane.api.routes.infer.stamp_receipt).
+HEAD_S = "heteroplane.head_s"
 
 
 class BodyTooLargeError(Exception):

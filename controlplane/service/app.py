@@ -56,7 +56,7 @@ from controlplane.api.routes import (
     rollouts,
 )
 from controlplane.apps.resolver import AppResolver
-from controlplane.clock import Clock
+from controlplane.clock import Clock, SystemClock
 from controlplane.dashboard import install_dashboard
 from controlplane.db.store import Store
 from controlplane.errors import ControlPlaneError
@@ -193,7 +193,10 @@ def create_app(
     # Added last, so called first: a query's latency runs from here (on the serving loop's
     # clock), before the body is read and the token checked in the thread pool.
     clock_s = serving.clock.now_s if serving is not None else time.monotonic
-    app.add_middleware(infer.ReceivedAtMiddleware, clock_s=clock_s)
+    # heteroplane serve's protocol stamps each request's head on time.monotonic(), the system
+    # clock's: the receipt where the serving loop runs on it (not a test's fake clock).
+    head_stamps = serving is None or isinstance(serving.clock, SystemClock)
+    app.add_middleware(infer.ReceivedAtMiddleware, clock_s=clock_s, head_stamps=head_stamps)
     # In front of FastAPI (ServiceApp), outermost first: a query for an app another serving
     # process dispatches goes there whole (controlplane.api.forwarding); an inference request
     # whose client has gone is cancelled, and its query leaves the serving loop's queue
@@ -201,7 +204,7 @@ def create_app(
     # layers behind (controlplane.api.fast_infer); the loops process's feed and observation
     # reads too (controlplane.api.fast_internal). Anything else passes through unchanged.
     front: Any = FastInternalMiddleware(app.behind, services=services)
-    front = FastInferMiddleware(front, services=services, clock_s=clock_s)
+    front = FastInferMiddleware(front, services=services, clock_s=clock_s, head_stamps=head_stamps)
     front = CancelOnDisconnect(front)
     if forwarder is not None:
         front = ForwardingMiddleware(front, forwarder=forwarder)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -49,7 +50,7 @@ except ImportError:  # httptools is a dependency; h11 serves where it is missing
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from controlplane.api.errors import error_document
-from controlplane.api.limits import CONNECTION_EXTENSION, MAX_HEAD_READ_BYTES
+from controlplane.api.limits import CONNECTION_EXTENSION, HEAD_S, MAX_HEAD_READ_BYTES
 from controlplane.settings import Settings
 
 # uvloop where it is installed (a dependency on every platform it builds for): the same
@@ -354,6 +355,9 @@ if HttpToolsProtocol is not None:
             if cycle is not None and cycle.transport is self.transport:
                 cycle.transport = HeldHeadTransport(self.transport, self.loop)  # type: ignore[assignment]
             if self.scope is not None:
+                # The request's receipt: the socket read that completed its head, before the
+                # event loop gets to the app's task (a wait the service's own time counts).
+                self.scope[HEAD_S] = time.monotonic()  # type: ignore[literal-required]
                 # The route's token check marks the connection through it (mark_authenticated).
                 extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
                 extensions[CONNECTION_EXTENSION] = self

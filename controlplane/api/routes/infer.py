@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.api.deps import Inferrer, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
+from controlplane.api.limits import HEAD_S
 from controlplane.api.routes import AppName, errors
 from controlplane.api.schemas import (
     EXACT_FLOAT_INT,
@@ -68,18 +69,36 @@ RECEIVED_S = "heteroplane.received_s"
 REQUEST_ID_HEADER = "x-request-id"
 
 
-class ReceivedAtMiddleware:
-    """Stamp every HTTP request's receipt (``scope[RECEIVED_S]``, ``clock_s()``) as the ASGI app
-    is first called: the earliest point the service sees it (what the server did before, reading
-    the bytes off the socket, is not seen)."""
+def stamp_receipt(scope: Scope, clock_s: Callable[[], float], head_stamps: bool) -> float:
+    """Stamp the request's receipt in ``scope[RECEIVED_S]`` and return it: with
+    ``head_stamps`` (the serving loop's clock is ``time.monotonic``) the protocol's stamp of its
+    head as whole (:data:`~controlplane.api.limits.HEAD_S`, ``heteroplane serve``'s protocol),
+    where there is one, so that the service's own time counts the event loop's wait between
+    reading the request and calling the app (under load, the serving process's queue); else
+    ``clock_s()`` now, as the app is called."""
+    head = scope.get(HEAD_S) if head_stamps else None
+    stamp = head if isinstance(head, float) else clock_s()
+    scope[RECEIVED_S] = stamp
+    return stamp
 
-    def __init__(self, app: ASGIApp, clock_s: Callable[[], float] = time.monotonic) -> None:
+
+class ReceivedAtMiddleware:
+    """Stamp every HTTP request's receipt (``scope[RECEIVED_S]``, :func:`stamp_receipt`) as the
+    ASGI app is first called, or, with ``head_stamps``, as the protocol read its head."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        clock_s: Callable[[], float] = time.monotonic,
+        head_stamps: bool = False,
+    ) -> None:
         self.app = app
         self.clock_s = clock_s
+        self.head_stamps = head_stamps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and RECEIVED_S not in scope:  # the fast path's stamp stays
-            scope[RECEIVED_S] = self.clock_s()
+            stamp_receipt(scope, self.clock_s, self.head_stamps)
         await self.app(scope, receive, send)
 
 
