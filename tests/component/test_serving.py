@@ -134,13 +134,26 @@ def endpoints(workers: Sequence[FakeWorker]) -> list[WorkerEndpoint]:
 
 
 async def dispatcher_over(
-    workers: Sequence[FakeWorker], app: AppConfig | None = None, **settings: Any
+    workers: Sequence[FakeWorker],
+    app: AppConfig | None = None,
+    *,
+    on_unhealthy: Callable[[Any], None] | None = None,
+    clock_s: Callable[[], float] | None = None,
+    **settings: Any,
 ) -> AppDispatcher:
+    """A dispatcher of ``app`` (default :func:`config`) over ``workers``, with ``settings``
+    (:class:`DispatcherSettings`) and, where given, its health callback and clock."""
+    extra: dict[str, Any] = {}
+    if on_unhealthy is not None:
+        extra["on_unhealthy"] = on_unhealthy
+    if clock_s is not None:
+        extra["clock_s"] = clock_s
     dispatcher = AppDispatcher(
         app or config(),
         HttpWorkerTransport(),
         Observations(),
         settings=DispatcherSettings(**settings),
+        **extra,
     )
     dispatcher.set_workers(endpoints(workers))
     return dispatcher
@@ -687,16 +700,14 @@ def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
         for worker in workers:
             worker.slow = poisoned
         losses: list[str] = []
-        dispatcher = AppDispatcher(
+        dispatcher = await dispatcher_over(
+            workers,
             config(models=("tiny",)),
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(
-                admission=False, call_timeout_floor_s=0.5, idle_probe_s=None
-            ),
             on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
+            admission=False,
+            call_timeout_floor_s=0.5,
+            idle_probe_s=None,
         )
-        dispatcher.set_workers(endpoints(workers))
         (slow,) = await settle([dispatcher.submit([poison_row(3)])])
         assert isinstance(slow, QueryTimeoutError) and "within 500 ms" in str(slow), slow
         assert sum(w.received for w in workers) == 1 and len(losses) == 1
@@ -722,16 +733,14 @@ def test_a_worker_back_while_still_busy_with_a_slow_query_does_not_fail_the_next
         workers = await fleet([LARGE, LARGE])
         for worker in workers:
             worker.slow = poisoned
-        dispatcher = AppDispatcher(
+        dispatcher = await dispatcher_over(
+            workers,
             config(models=("tiny",)),
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(
-                admission=False, call_timeout_floor_s=0.5, idle_probe_s=None
-            ),
             clock_s=lambda: now[0],
+            admission=False,
+            call_timeout_floor_s=0.5,
+            idle_probe_s=None,
         )
-        dispatcher.set_workers(endpoints(workers))
         (slow,) = await settle([dispatcher.submit([poison_row(3)])])
         assert isinstance(slow, QueryTimeoutError), slow
         (out,) = [k for k, w in enumerate(dispatcher.status().workers) if not w.healthy]

@@ -90,28 +90,31 @@ def _serve(service: Service, tmp_path: Path) -> None:
     """The app over the pushed model, with latency profiles from a file (the numbers only
     price and rank: nothing is timed), a plan of one worker with a batch cap of 8, applied, and
     its worker running."""
-    profiles = profile_file(tmp_path)
+    _serve_app(service, APP, MODEL, profile_file(tmp_path), workers=1, batch_size=8)
+
+
+def _serve_app(
+    service: Service, app: str, model: str, profiles: Path, workers: int, batch_size: int
+) -> None:
+    """``app`` over the pushed ``model`` with the latency ``profiles``, a plan of ``workers``
+    workers batching up to ``batch_size``, applied, and its workers running."""
     store = service.store
     store.create_app(
         {
-            "name": APP,
-            "models": [{"name": MODEL, "artifact": MODEL, "profiles": str(profiles)}],
+            "name": app,
+            "models": [{"name": model, "artifact": model, "profiles": str(profiles)}],
             "slo": {"latency_ms": 1000},
             "budget_usd_per_hr": 1.0,
             "instance_types": [TYPE],
         },
         who="test",
     )
+    stage = {"name": model, "fleet": {TYPE: workers}, "batch_size": batch_size, "policy": "fcfs"}
     plan = store.create_plan(
-        APP,
-        {
-            "feasible": True,
-            "cost_usd_per_hr": 0.2,
-            "stages": [{"name": MODEL, "fleet": {TYPE: 1}, "batch_size": 8, "policy": "fcfs"}],
-        },
+        app, {"feasible": True, "cost_usd_per_hr": 0.2 * workers, "stages": [stage]}
     )
-    store.apply_plan(APP, plan.id)
-    launch_fleet(service, APP, 1)
+    store.apply_plan(app, plan.id)
+    launch_fleet(service, app, workers)
 
 
 def _queries() -> tuple[list[list[int]], list[bool]]:
@@ -390,21 +393,7 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
         monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
         _cli(capsys, "model", "push", name, str(path), "--format", "torchscript", "--inputs",
              "input:FP32:-1x4")  # fmt: skip
-        store = service.store
-        store.create_app(
-            {
-                "name": app,
-                "models": [{"name": name, "artifact": name, "profiles": str(profiles)}],
-                "slo": {"latency_ms": 1000},
-                "budget_usd_per_hr": 1.0,
-                "instance_types": [TYPE],
-            },
-            who="test",
-        )
-        stage = {"name": name, "fleet": {TYPE: 2}, "batch_size": 1, "policy": "fcfs"}
-        plan = store.create_plan(app, {"feasible": True, "cost_usd_per_hr": 0.4, "stages": [stage]})
-        store.apply_plan(app, plan.id)
-        launch_fleet(service, app, 2)
+        _serve_app(service, app, name, profiles, workers=2, batch_size=1)
 
         def infer(first: float) -> httpx.Response:
             return httpx.post(
