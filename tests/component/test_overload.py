@@ -191,6 +191,41 @@ def test_a_query_queued_past_its_clients_deadline_is_answered_at_it() -> None:
     run(scenario())
 
 
+def test_the_sweep_is_aimed_at_the_next_clients_deadline() -> None:
+    """The sweep runs every 0.25 s, and sooner for a client's deadline ahead: a query queued
+    with 0.1 s to its deadline is answered at it, not up to a period later (a client whose own
+    timeout is the deadline it sent, as `heteroplane loadgen --timeout-s`'s, had given up by
+    then and recorded a timeout of its own instead of the 504)."""
+    now = [1000.0]
+
+    async def scenario() -> None:
+        (worker,) = await fleet([LARGE])
+        app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
+        dispatcher = AppDispatcher(
+            app,
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+            clock_s=lambda: now[0],
+        )
+        dispatcher.set_workers(endpoints([worker]))
+        worker.holding = True
+        sent = dispatcher.submit([row(1, 0.9)], deadline_s=now[0] + 60.0)
+        assert dispatcher.sweep_delay_s == 0.25  # nothing due within a period
+        await until(lambda: worker.requests == 1)
+        soon = dispatcher.submit([row(2, 0.9)], deadline_s=now[0] + 0.1)
+        await until(lambda: dispatcher.sweep_delay_s == 0.1)  # the next sweep aims at it
+        now[0] += 0.1
+        await until(soon.done)
+        assert isinstance(soon.exception(), QueryTimeoutError)
+        worker.release()
+        (answer,) = await settle([sent])
+        assert isinstance(answer, InferResult) and answer.outputs == (1,)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_answered_queries_do_not_wait_for_their_deadline_in_the_sweeps_heap() -> None:
     """A query's client deadline is held for the sweep; answered (here: its client gone), it is
     dropped at a sweep, not kept with its inputs until its deadline while others are open."""
