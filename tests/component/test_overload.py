@@ -56,11 +56,14 @@ ONE_AT_A_TIME = {"tiny": StagePlan("tiny", Fleet.of({}), 1, policy="fcfs")}
 
 
 async def held_worker(
-    clock_s: Any = time.monotonic, slo_ms: float = 10_000.0, **settings: Any
+    clock_s: Any = time.monotonic,
+    slo_ms: float = 10_000.0,
+    first_deadline_s: float | None = None,
+    **settings: Any,
 ) -> tuple[FakeWorker, AppDispatcher, asyncio.Future[InferResult]]:
-    """One worker (batch cap 1) holding the answer to a first query, which is returned: what
-    is submitted next queues until :meth:`FakeWorker.release`. Admission is off unless
-    ``settings`` say otherwise."""
+    """One worker (batch cap 1) holding the answer to a first query (its client's deadline
+    ``first_deadline_s``), which is returned: what is submitted next queues until
+    :meth:`FakeWorker.release`. Admission is off unless ``settings`` say otherwise."""
     (worker,) = await fleet([LARGE])
     app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=slo_ms)
     dispatcher = AppDispatcher(
@@ -72,7 +75,7 @@ async def held_worker(
     )
     dispatcher.set_workers(endpoints([worker]))
     worker.holding = True
-    first = dispatcher.submit([row(1, 0.9)])
+    first = dispatcher.submit([row(1, 0.9)], deadline_s=first_deadline_s)
     await until(lambda: worker.requests == 1)
     return worker, dispatcher, first
 
@@ -155,19 +158,7 @@ def test_a_query_queued_past_its_clients_deadline_is_answered_at_it() -> None:
     now = [1000.0]
 
     async def scenario() -> None:
-        (worker,) = await fleet([LARGE])
-        app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
-        dispatcher = AppDispatcher(
-            app,
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=False),
-            clock_s=lambda: now[0],
-        )
-        dispatcher.set_workers(endpoints([worker]))
-        worker.holding = True
-        sent = dispatcher.submit([row(1, 0.9)], deadline_s=now[0] + 0.5)
-        await until(lambda: worker.requests == 1)
+        worker, dispatcher, sent = await held_worker(lambda: now[0], first_deadline_s=now[0] + 0.5)
         doomed = dispatcher.submit([row(2, 0.9), row(4, 0.9)], deadline_s=now[0] + 0.5)
         patient = dispatcher.submit([row(3, 0.9)], deadline_s=now[0] + 60.0)
         (stage,) = dispatcher.status().stages
@@ -199,20 +190,8 @@ def test_the_sweep_is_aimed_at_the_next_clients_deadline() -> None:
     now = [1000.0]
 
     async def scenario() -> None:
-        (worker,) = await fleet([LARGE])
-        app = config(models=("tiny",), stage_plans=ONE_AT_A_TIME, slo_ms=10_000.0)
-        dispatcher = AppDispatcher(
-            app,
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=False),
-            clock_s=lambda: now[0],
-        )
-        dispatcher.set_workers(endpoints([worker]))
-        worker.holding = True
-        sent = dispatcher.submit([row(1, 0.9)], deadline_s=now[0] + 60.0)
+        worker, dispatcher, sent = await held_worker(lambda: now[0], first_deadline_s=now[0] + 60)
         assert dispatcher.sweep_delay_s == 0.25  # nothing due within a period
-        await until(lambda: worker.requests == 1)
         soon = dispatcher.submit([row(2, 0.9)], deadline_s=now[0] + 0.1)
         await until(lambda: dispatcher.sweep_delay_s == 0.1)  # the next sweep aims at it
         now[0] += 0.1
