@@ -312,6 +312,53 @@ class Judgement:
     reason: str
 
 
+# The confidence with which a new version's error share is found over its limit before
+# ``min_queries`` (the normal quantile of a one-sided 97.5% bound).
+ERROR_EVIDENCE_Z = 1.96
+
+
+def error_share_floor(errors: int, queries: int, z: float = ERROR_EVIDENCE_Z) -> float:
+    """The lower Wilson score bound of an error share of ``errors`` in ``queries``: the least
+    share the sample leaves likely (0 without a query).
+
+    >>> round(error_share_floor(2, 3), 3), round(error_share_floor(1, 1), 3)
+    (0.208, 0.207)
+    >>> error_share_floor(0, 10), error_share_floor(0, 0)
+    (0.0, 0.0)
+    """
+    if queries <= 0 or errors <= 0:
+        return 0.0
+    n = float(queries)
+    share = errors / n
+    z2 = z * z
+    centre = share + z2 / (2.0 * n)
+    spread = z * math.sqrt(share * (1.0 - share) / n + z2 / (4.0 * n * n))
+    return max(0.0, (centre - spread) / (1.0 + z2 / n))
+
+
+def error_share_over(figures: VersionFigures, thresholds: Thresholds) -> bool:
+    """Whether the new version's error share is over ``max_error_share`` on the evidence: with
+    ``min_queries`` sent to it, its share; before that, the least share its sample leaves likely
+    (:func:`error_share_floor`), so that two errors in its first three queries do not decide a
+    limit of a half, while one error in the first query still decides the default 1%. (A failed
+    query is answered by the old version in a canary step, and in shadow the client had the
+    old version's answer: waiting for the evidence costs the clients nothing. It had rolled
+    back on the share of any sample.)
+
+    >>> t = Thresholds(max_error_share=0.5, min_queries=20)
+    >>> early, sure = VersionFigures(3, 2, None), VersionFigures(20, 11, None)
+    >>> error_share_over(early, t), error_share_over(sure, t)
+    (False, True)
+    >>> error_share_over(VersionFigures(1, 1, None), Thresholds())
+    True
+    """
+    if figures.queries <= 0 or figures.error_share <= thresholds.max_error_share:
+        return False
+    if figures.queries >= thresholds.min_queries:
+        return True
+    return error_share_floor(figures.errors, figures.queries) > thresholds.max_error_share
+
+
 def judge(
     *,
     figures: VersionFigures,
@@ -325,7 +372,9 @@ def judge(
     """What a step of a rollout comes to, from the new version's ``figures`` over the step
     (``elapsed_s`` of its ``interval_s``):
 
-    1. roll back at once when its error share is over ``max_error_share``, when, with at
+    1. roll back at once when its error share is over ``max_error_share`` on the evidence
+       (:func:`error_share_over`: with ``min_queries`` sent, or before that by the least share
+       its sample leaves likely), when, with at
        least ``min_queries`` answered, its P99 is over the limit (``max_p99_ms``, else the
        SLO), or when, in the shadow step with ``min_queries`` compared, its agreement with the
        old version is under ``min_agreement_share``, or when, with ``min_accuracy`` set and at
@@ -345,7 +394,7 @@ def judge(
     <Verdict.ROLL_BACK: 'roll_back'>
     """
     limit_ms = thresholds.p99_limit_ms(slo_ms)
-    if figures.queries and figures.error_share > thresholds.max_error_share:
+    if error_share_over(figures, thresholds):
         return Judgement(
             Verdict.ROLL_BACK,
             f"error share {figures.error_share:.3f} ({figures.errors} of {figures.queries}"

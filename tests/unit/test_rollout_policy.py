@@ -146,6 +146,29 @@ def test_errors_roll_back() -> None:
     )
 
 
+def test_an_error_share_over_its_limit_decides_on_the_evidence() -> None:
+    """Before ``min_queries``, an error share over the limit rolls back only where the sample
+    leaves no doubt (its least likely share, the Wilson bound, over the limit): two errors in
+    the first three queries did at a limit of a half, by chance as often as not. One error in
+    the first query still decides the default 1%, and with ``min_queries`` sent the share
+    itself decides."""
+    half = Thresholds(max_error_share=0.5, min_queries=20)
+
+    def verdict(queries: int, errors: int, thresholds: Thresholds) -> Verdict:
+        figures = VersionFigures(queries=queries, errors=errors, p99_ms=50.0)
+        return _judgement(figures, elapsed_s=1.0, thresholds=thresholds).verdict
+
+    assert verdict(3, 2, half) is Verdict.HOLD
+    assert verdict(8, 8, half) is Verdict.ROLL_BACK  # no doubt left
+    assert verdict(20, 11, half) is Verdict.ROLL_BACK  # min_queries sent: the share decides
+    assert verdict(19, 11, half) is Verdict.HOLD
+    assert verdict(1, 1, Thresholds()) is Verdict.ROLL_BACK
+    judged = _judgement(
+        VersionFigures(queries=20, errors=11, p99_ms=50.0), elapsed_s=1.0, thresholds=half
+    )
+    assert judged.reason.startswith("error share 0.550 (11 of 20 queries) over the limit 0.5")
+
+
 def test_disagreement_in_shadow_rolls_back() -> None:
     wrong = VersionFigures(queries=100, p99_ms=50.0, compared=100, agreed=60)
     assert _judge(wrong, shadow=True, elapsed_s=1.0) is Verdict.ROLL_BACK
