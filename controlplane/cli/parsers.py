@@ -1701,7 +1701,7 @@ def _rollout(subparsers: Subparsers) -> None:
         "--max-error-share",
         type=finite_number,
         metavar="X",
-        help="roll back above (default 0.01)",
+        help="roll back above (default 0.01; before --min-queries, once the sample is clear)",
     )
     start.add_argument(
         "--min-agreement-share",
