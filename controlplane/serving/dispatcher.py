@@ -993,9 +993,7 @@ class AppDispatcher:
         batch was slow (a value-dependent slow path of the model), not a worker gone."""
         try:
             return await self.transport.health(worker.address, self.settings.slow_probe_s) is True
-        except asyncio.CancelledError:
-            raise
-        except Exception:
+        except Exception:  # no answer (a cancellation is not an Exception: it goes through)
             return False
 
     def _completed(
@@ -1314,7 +1312,8 @@ class AppDispatcher:
             self._fail(request, QueryTimeoutError(self.app, give_up_s))
         deadlines = self._deadlines
         in_flight = []
-        while deadlines and deadlines[0][0] <= now:
+        # Past their deadline, and answered ones at the top (nothing to aim the next sweep at).
+        while deadlines and (deadlines[0][0] <= now or deadlines[0][2].future.done()):
             entry = heapq.heappop(deadlines)
             request = entry[2]
             if request.future.done():
@@ -1324,8 +1323,6 @@ class AppDispatcher:
                 continue
             self._leave_queues(request)
             self._fail(request, QueryTimeoutError(self.app, request.deadline_s - request.arrival_s))
-        while deadlines and deadlines[0][2].future.done():  # answered: nothing to aim at
-            heapq.heappop(deadlines)
         ahead = deadlines[0][0] if deadlines else None  # the next deadline, after now
         for entry in in_flight:
             heapq.heappush(deadlines, entry)
