@@ -1821,27 +1821,12 @@ def load_stopped(arrivals: np.ndarray, now_s: float, persistence_s: float) -> bo
     return pause >= min(persistence_s, max(STOPPED_FLOOR_S, STOPPED_GAPS / rate_qps))
 
 
-def _young_memory(arrivals: np.ndarray, config: TunerConfig) -> bool:
-    """Whether ``config`` holds scale-ups past the plan on ``arrivals`` (the memory's): with
-    ``hold_young_memory``, while they span less than twice ``persistence_s``, where
-    :func:`estimator.envelope.recurring_envelope` can take no burst out of any window (a
-    restarted service's memory, a backlog of its clients' queries in its first second, read
-    as load; or load after an idle gap).
-
-    >>> config = TunerConfig((1.0,), (5.0,), 1.0, {}, {}, persistence_s=15.0,
-    ...     hold_young_memory=True)
-    >>> [_young_memory(np.array([0.0, span]), config) for span in (29.0, 30.0)]
-    [True, False]
-    """
-    young = _young_span_s(arrivals, config)
-    return young is not None and young[0] < 2.0 * young[1]
-
-
 def _young_span_s(arrivals: np.ndarray, config: TunerConfig) -> tuple[float, float] | None:
     """The span of ``arrivals`` (the memory's) and ``config``'s ``persistence_s``, where
-    ``config`` may hold the memory young: None without
-    ``hold_young_memory`` or a persistence test, for no arrivals, and for a memory that fills
-    its ring (``memory_ring``: its span is the ring's, not the traffic's age).
+    ``config`` may hold the memory young (``hold_young_memory``; young while the span is under
+    twice the persistence): None without ``hold_young_memory`` or a persistence test, for no
+    arrivals, and for a memory that fills its ring (``memory_ring``: its span is the ring's,
+    not the traffic's age).
 
     >>> config = TunerConfig((1.0,), (5.0,), 1.0, {}, {}, persistence_s=15.0,
     ...     hold_young_memory=True, memory_ring=3)
@@ -1856,20 +1841,18 @@ def _young_span_s(arrivals: np.ndarray, config: TunerConfig) -> tuple[float, flo
     return float(arrivals[-1] - arrivals[0]), persistence_s
 
 
-def _untested_windows(arrivals: np.ndarray, config: TunerConfig) -> np.ndarray:
-    """Which of ``config``'s windows a young memory holds at the planned rate (with
-    ``hold_young_memory``): those the persistence test reads once the arrivals span twice
-    L = max(w, ``persistence_s``) (:func:`estimator.envelope.recurring_envelope`), while they
-    span less. A window with 2L >= ``recent_s`` is never tested in the memory and reads the
-    whole envelope, as in steady traffic.
+def _untested_windows(young: tuple[float, float] | None, config: TunerConfig) -> np.ndarray:
+    """Which of ``config``'s windows a young memory (``young``: :func:`_young_span_s`'s span and
+    persistence) holds at the planned rate: those the persistence test reads once the arrivals
+    span twice L = max(w, persistence) (:func:`estimator.envelope.recurring_envelope`), while
+    they span less. A window with 2L >= ``recent_s`` is never tested in the memory and reads
+    the whole envelope, as in steady traffic.
 
-    >>> config = TunerConfig((1.0, 16.0, 32.0), (5.0,) * 3, 1.0, {}, {}, recent_s=60.0,
-    ...     persistence_s=15.0, hold_young_memory=True)
-    >>> [_untested_windows(np.array([0.0, span]), config).tolist() for span in (29.0, 31.0, 32.0)]
+    >>> config = TunerConfig((1.0, 16.0, 32.0), (5.0,) * 3, 1.0, {}, {}, recent_s=60.0)
+    >>> [_untested_windows((span, 15.0), config).tolist() for span in (29.0, 31.0, 32.0)]
     [[True, True, False], [False, True, False], [False, False, False]]
     """
     windows = np.asarray(config.windows_s, dtype=np.float64)
-    young = _young_span_s(arrivals, config)
     if young is None:
         return np.zeros(windows.size, dtype=bool)
     span, persistence_s = young
@@ -1930,7 +1913,8 @@ def tune(
     # Scale-up reads the envelope without a single short burst (one that will be over before
     # an instance boots buys nothing), scale-down the whole one (capacity stays while a burst is
     # in memory): the band between the two readings is the tuner's hysteresis.
-    untested = _untested_windows(arrivals, config)
+    young_span = _young_span_s(arrivals, config)
+    untested = _untested_windows(young_span, config)
     downs: dict[tuple[float, ...], _Reading] = {}
     ups: dict[tuple[float, ...], _Reading] = {}
     without_burst: list[np.ndarray] = []
@@ -2016,13 +2000,15 @@ def tune(
     # Load that has stopped buys nothing, however busy the memory still reads (a live tuner
     # with a minute of memory had bought an instance for load that stopped 49 s before).
     stopped = config.persistence_s is not None and load_stopped(arrivals, now, config.persistence_s)
-    young = _young_memory(arrivals, config)
-    held_why = (
-        f"the memory's arrivals span {float(arrivals[-1] - arrivals[0]):.3g} s < "
-        f"{2.0 * (config.persistence_s or 0.0):g} s: a young memory buys back the plan at most"
-        if young
-        else ""
-    )
+    # While the arrivals span less than twice the persistence, the test can take no burst out
+    # of any window (a restarted service's backlog, load after an idle gap): a young memory.
+    held_why = ""
+    if young_span is not None and young_span[0] < 2.0 * young_span[1]:
+        held_why = (
+            f"the memory's arrivals span {young_span[0]:.3g} s < {2.0 * young_span[1]:g} s:"
+            " a young memory buys back the plan at most"
+        )
+    young = bool(held_why)
     for plan in [] if stopped else plans:
         s, rho = plan.scale_factor, plan.utilisation_target
         capacity = plan.capacity_qps(tick.fleets[plan.name])
