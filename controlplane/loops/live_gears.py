@@ -51,6 +51,7 @@ at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -546,13 +547,14 @@ class LiveGears:
             if measured_qps is None and tracked is not None:
                 return  # the new plan not served yet: nothing measured, nothing to switch
             plan = GearPlan.from_document(document)
-            state = start_switcher(
+            start = functools.partial(
+                start_switcher,
                 plan,
-                expected_qps=measured_qps or 0.0,
                 alpha=self._alpha,
                 cap_hold_s=self._cap_hold_s,
                 hysteresis=self._hysteresis,
             )
+            state = start(expected_qps=measured_qps or 0.0)
             resumed = (
                 self._resumed(app.name, plan_record, state, now_s) if tracked is None else None
             )
@@ -582,13 +584,7 @@ class LiveGears:
                 status = next((s for s in self._statuses() if s.app == app.name), None)
                 if status is not None and any(s.capacity_sps > 0 for s in status.stages):
                     share = ready_share(plan, status, profiles)
-                    state = start_switcher(
-                        plan,
-                        expected_qps=measured_qps / share,
-                        alpha=self._alpha,
-                        cap_hold_s=self._cap_hold_s,
-                        hysteresis=self._hysteresis,
-                    )
+                    state = start(expected_qps=measured_qps / share)
             tracked = _AppGears(plan_record.id, plan, resumed or state, profiles)
             tracked.looked_up = {t for m in plan.placement.order for t in plan.placement.fleets[m]}
             if resumed is not None:
