@@ -179,6 +179,13 @@ def gear_log(store: Store) -> list[dict[str, Any]]:
     return [d.numbers for d in store.list_decisions(APP, kinds=["gear_switch"])]
 
 
+def set_aside_reasons(store: Store) -> list[str]:
+    """The reasons of the logged decisions that set the app's gear plan aside."""
+    return [
+        d.reason for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason
+    ]
+
+
 def test_the_gear_plan_survives_its_document() -> None:
     document = json.loads(json.dumps(PLAN.to_document()))
     document["placement"] = dict(reversed(list(document["placement"].items())))  # as JSONB may
@@ -738,11 +745,8 @@ def test_a_spec_serving_another_cascade_sets_the_gear_plan_aside(
     for _ in range(2):
         a_second_at(15.0, clock, loop, gears)
         assert gears.gear(APP) is None and APP not in gears.in_force()
-    aside = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason]
-    assert len(aside) == 1
-    assert "made for the cascade tiny -> large, the spec now serves large -> tiny" in (
-        aside[0].reason
-    )
+    (aside,) = set_aside_reasons(store)
+    assert "made for the cascade tiny -> large, the spec now serves large -> tiny" in aside
     store.update_app(APP, spec, who="test")
     a_second_at(15.0, clock, loop, gears)
     assert gears.gear(APP) is not None
@@ -768,16 +772,13 @@ def test_a_spec_raising_the_accuracy_floor_past_a_gear_sets_the_gear_plan_aside(
     for _ in range(2):
         a_second_at(60.0, clock, loop, gears)
         assert gears.gear(APP) is None and APP not in gears.in_force()
-    aside = [d for d in store.list_decisions(APP, kinds=["gear_switch"]) if "aside" in d.reason]
-    assert len(aside) == 1
-    assert "made for no accuracy floor, the spec now asks 95%, which tiny (90.00%) misses" in (
-        aside[0].reason
-    )
+    (aside,) = set_aside_reasons(store)
+    assert "made for no accuracy floor, the spec now asks 95%, which tiny (90.00%) misses" in aside
     # A restarted switcher (a loops process, a new leader) does not say it again.
     restarted = switcher(store, clock, loop)
     a_second_at(60.0, clock, loop, restarted)
     assert restarted.gear(APP) is None
-    assert sum("aside" in d.reason for d in store.list_decisions(APP, kinds=["gear_switch"])) == 1
+    assert len(set_aside_reasons(store)) == 1
     store.update_app(APP, spec, who="test")
     a_second_at(60.0, clock, loop, gears)
     assert gears.gear(APP) is not None
