@@ -833,6 +833,35 @@ def test_a_cascade_keeps_inferlines_model_on_every_stage(store: Store, tmp_path:
         assert decision.numbers["model_note"] == "a cascade: InferLine's model per stage"
 
 
+def create_cascade_app(
+    store: Store, folder: Path, latency_ms: dict[str, float], budget: float
+) -> None:
+    """Creates the cascade app ``tiny`` -> ``large`` at a 100 ms SLO and ``budget`` USD/hr, both
+    models profiled at ``latency_ms`` a query on each instance type it names (its types)."""
+    profiles = {
+        "format": "heteroplane.profiles/v1",
+        "profiles": [
+            {"model": m, "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
+            for m in ("tiny", "large")
+            for t, ms in latency_ms.items()
+        ],
+    }
+    (folder / "profiles.json").write_text(json.dumps(profiles))
+    store.create_app(
+        {
+            "name": APP,
+            "models": [
+                {"name": m, "profiles": str(folder / "profiles.json")} for m in ("tiny", "large")
+            ],
+            "cascade": ["tiny", "large"],
+            "slo": {"latency_ms": 100},
+            "budget_usd_per_hr": budget,
+            "instance_types": list(latency_ms),
+        },
+        who="test",
+    )
+
+
 def test_a_cascade_stages_kairos_bound_is_at_its_share_of_the_slo(
     store: Store, tmp_path: Path
 ) -> None:
@@ -841,28 +870,7 @@ def test_a_cascade_stages_kairos_bound_is_at_its_share_of_the_slo(
     query, so the stage's capacity model, as the replay's InferLine model and the planner judge
     it, is the large's 100 qps. The live tuner's bound was at the whole SLO, where the small
     counted too (116.7 qps)."""
-    profiles = {
-        "format": "heteroplane.profiles/v1",
-        "profiles": [
-            {"model": m, "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
-            for m in ("tiny", "large")
-            for t, ms in ((SMALL, 60.0), (LARGE, 10.0))
-        ],
-    }
-    (tmp_path / "profiles.json").write_text(json.dumps(profiles))
-    store.create_app(
-        {
-            "name": APP,
-            "models": [
-                {"name": m, "profiles": str(tmp_path / "profiles.json")} for m in ("tiny", "large")
-            ],
-            "cascade": ["tiny", "large"],
-            "slo": {"latency_ms": 100},
-            "budget_usd_per_hr": 1.0,
-            "instance_types": [SMALL, LARGE],
-        },
-        who="test",
-    )
+    create_cascade_app(store, tmp_path, {SMALL: 60.0, LARGE: 10.0}, budget=1.0)
     document = plan_document(1, 50.0)
     (first,) = document["stages"]
     mixed = {**first, "name": "large", "fleet": {SMALL: 1, LARGE: 1}, "policy": "kairos"}
@@ -927,27 +935,7 @@ def cascade_app(store: Store, folder: Path, budget: float = 10.0, large: int = 2
     """A two-model cascade planned at 50 qps on two small instances for ``tiny`` and ``large``
     for ``large``, which half the queries reach (its plan's scale factor), at ``budget``
     USD/hr."""
-    profiles = {
-        "format": "heteroplane.profiles/v1",
-        "profiles": [
-            {"model": m, "instance_type": SMALL, "batch_sizes": [1], "latency_ms": [[20.0]]}
-            for m in ("tiny", "large")
-        ],
-    }
-    (folder / "profiles.json").write_text(json.dumps(profiles))
-    store.create_app(
-        {
-            "name": APP,
-            "models": [
-                {"name": m, "profiles": str(folder / "profiles.json")} for m in ("tiny", "large")
-            ],
-            "cascade": ["tiny", "large"],
-            "slo": {"latency_ms": 100},
-            "budget_usd_per_hr": budget,
-            "instance_types": [SMALL],
-        },
-        who="test",
-    )
+    create_cascade_app(store, folder, {SMALL: 20.0}, budget)
     document = plan_document(2, 50.0)
     (first,) = document["stages"]
     document["stages"] = [
