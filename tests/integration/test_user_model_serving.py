@@ -74,10 +74,10 @@ def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_model(tmp_path_factory.mktemp("tokens"))
 
 
-def _serving_status(url: str, token: str) -> dict[str, Any]:
-    """``GET /v1/apps/APP/serving``."""
+def _serving_status(url: str, token: str, app: str = APP) -> dict[str, Any]:
+    """``GET /v1/apps/{app}/serving``."""
     response = httpx.get(
-        f"{url}/v1/apps/{APP}/serving",
+        f"{url}/v1/apps/{app}/serving",
         headers={"Authorization": f"Bearer {token}"},
         trust_env=False,
         timeout=30.0,
@@ -404,16 +404,6 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
                 timeout=120.0,
             )
 
-        def status() -> dict[str, Any]:
-            answer = httpx.get(
-                f"{url}/v1/apps/{app}/serving",
-                headers={"Authorization": f"Bearer {admin}"},
-                trust_env=False,
-                timeout=30.0,
-            )
-            assert answer.status_code == 200, answer.text
-            return dict(answer.json())
-
         def answered(address: str) -> int:
             stats = httpx.get(f"http://{address}/stats", trust_env=False, timeout=30.0).json()
             return int(stats["models"].get(name, {}).get("requests", 0))
@@ -425,7 +415,7 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
                 goods = list(pool.map(infer, [1.0] * 4))
                 assert all(g.status_code == 200 for g in goods), [g.text for g in goods]
                 assert all(g.json()["outputs"] == [1] for g in goods)
-                addresses = [w["address"] for w in status()["workers"]]
+                addresses = [w["address"] for w in _serving_status(url, admin, app)["workers"]]
                 if len(addresses) == 2 and all(answered(a) for a in addresses):
                     break
                 assert time.monotonic() < deadline, "a worker answered no query"
