@@ -80,6 +80,17 @@ def spec(folder: Path, budget: float) -> dict[str, Any]:
     }
 
 
+def tiny_models(path: Path, latency_ms: dict[str, float]) -> list[dict[str, str]]:
+    """Writes to ``path`` the profiles of ``tiny`` taking ``latency_ms`` a query on each type it
+    names; the spec's ``models`` over them."""
+    profiles = [
+        {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
+        for t, ms in latency_ms.items()
+    ]
+    path.write_text(json.dumps({"format": "heteroplane.profiles/v1", "profiles": profiles}))
+    return [{"name": "tiny", "profiles": str(path)}]
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Store]:
     url = f"sqlite:///{tmp_path / 'hp.db'}"
@@ -505,20 +516,9 @@ def test_a_mix_change_stops_the_old_mix_only_once_the_new_one_serves(
     loaded), not the tuner's modelled minute: the smalls stay until its row runs, then go. They
     were stopped a minute after the gpu's launch, and the stage served on the one small the
     reconciler's guard kept (the disruption budget draining the others one a minute)."""
-    (tmp_path / "gpu-profiles.json").write_text(
-        json.dumps(
-            {
-                "format": "heteroplane.profiles/v1",
-                "profiles": [
-                    {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
-                    for t, ms in ((SMALL, 40.0), (GPU, 2.0))
-                ],
-            }
-        )
-    )
     document = {
         **spec(tmp_path, 2.0),
-        "models": [{"name": "tiny", "profiles": str(tmp_path / "gpu-profiles.json")}],
+        "models": tiny_models(tmp_path / "gpu-profiles.json", {SMALL: 40.0, GPU: 2.0}),
         "instance_types": [SMALL, GPU],
     }
     store.create_app(document, who="test")
@@ -565,20 +565,9 @@ def test_the_live_dispatcher_judges_its_kairos_base_as_the_planner_does(
     live dispatcher judged it against the whole SLO, where the small (15 ms, more queries per
     USD/hr) ranked first and became the base of a stage the plan does not rank (no plan yet, a
     type the tuner added)."""
-    (tmp_path / "mixed.json").write_text(
-        json.dumps(
-            {
-                "format": "heteroplane.profiles/v1",
-                "profiles": [
-                    {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
-                    for t, ms in ((SMALL, 15.0), (LARGE, 10.0))
-                ],
-            }
-        )
-    )
     document = {
         **spec(tmp_path, 1.0),
-        "models": [{"name": "tiny", "profiles": str(tmp_path / "mixed.json")}],
+        "models": tiny_models(tmp_path / "mixed.json", {SMALL: 15.0, LARGE: 10.0}),
     }
     store.create_app(document, who="test")
     store.set_serving_overhead(APP, 190.0, 100)
