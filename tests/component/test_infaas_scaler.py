@@ -38,6 +38,7 @@ from controlplane.service.build import (
 from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.workers import WorkerEndpoint
 from provisioners.fake import FakeProvisioner
+from tests.component.test_sizing import tiny_models
 from tests.fake_worker import FakeWorker
 
 LARGE = "emu.cpu.large"
@@ -336,24 +337,13 @@ def test_a_variant_is_judged_against_the_slo_less_the_services_own_time(tmp_path
     variants against the whole SLO and upgraded to the small (the cheaper cover), whose answers
     then took 110 ms end to end."""
     small = "emu.cpu.small"
-    (tmp_path / "mixed.json").write_text(
-        json.dumps(
-            {
-                "format": "heteroplane.profiles/v1",
-                "profiles": [
-                    {"model": "tiny", "instance_type": t, "batch_sizes": [1], "latency_ms": [[ms]]}
-                    for t, ms in ((small, 60.0), (LARGE, 40.0))
-                ],
-            }
-        )
-    )
     clock = FakeClock(start_s=1000.0)
     store = Store.from_url(f"sqlite:///{tmp_path / 'hp.db'}", clock, upgrade=True)
     try:
         resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
         document = {
             **spec(tmp_path),
-            "models": [{"name": "tiny", "profiles": str(tmp_path / "mixed.json")}],
+            "models": tiny_models(tmp_path / "mixed.json", {small: 60.0, LARGE: 40.0}),
             "budget_usd_per_hr": 1.0,
             "instance_types": [small, LARGE],
         }
