@@ -689,6 +689,19 @@ def test_a_worker_replaced_under_the_same_id_has_answered_nothing_for_the_422_ru
     run(scenario())
 
 
+async def slow_path_dispatcher(
+    workers: Sequence[FakeWorker], app: AppConfig, **options: Any
+) -> AppDispatcher:
+    """A dispatcher over ``workers`` that take a slow path (never answered) on poison rows, its
+    calls timing out after 0.5 s, admission and idle probes off; ``options`` as
+    :func:`dispatcher_over`'s."""
+    for worker in workers:
+        worker.slow = poisoned
+    return await dispatcher_over(
+        workers, app, admission=False, call_timeout_floor_s=0.5, idle_probe_s=None, **options
+    )
+
+
 def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
     """A value-dependent slow path: the call times out and the worker, alive, answers its
     probe. It leaves matching (still busy with the batch), and the query is not sent to the
@@ -697,16 +710,11 @@ def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
 
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE, LARGE])
-        for worker in workers:
-            worker.slow = poisoned
         losses: list[str] = []
-        dispatcher = await dispatcher_over(
+        dispatcher = await slow_path_dispatcher(
             workers,
             config(models=("tiny",)),
             on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
-            admission=False,
-            call_timeout_floor_s=0.5,
-            idle_probe_s=None,
         )
         (slow,) = await settle([dispatcher.submit([poison_row(3)])])
         assert isinstance(slow, QueryTimeoutError) and "within 500 ms" in str(slow), slow
@@ -731,15 +739,8 @@ def test_a_worker_back_while_still_busy_with_a_slow_query_does_not_fail_the_next
 
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE])
-        for worker in workers:
-            worker.slow = poisoned
-        dispatcher = await dispatcher_over(
-            workers,
-            config(models=("tiny",)),
-            clock_s=lambda: now[0],
-            admission=False,
-            call_timeout_floor_s=0.5,
-            idle_probe_s=None,
+        dispatcher = await slow_path_dispatcher(
+            workers, config(models=("tiny",)), clock_s=lambda: now[0]
         )
         (slow,) = await settle([dispatcher.submit([poison_row(3)])])
         assert isinstance(slow, QueryTimeoutError), slow
@@ -763,13 +764,9 @@ def test_a_slow_query_in_a_batch_is_tried_alone_and_the_others_are_served() -> N
 
     async def scenario() -> None:
         workers = await fleet([LARGE, LARGE, LARGE], delay_s=0.01)
-        for worker in workers:
-            worker.slow = poisoned
         plan = {"tiny": StagePlan("tiny", Fleet.of({}), 8, policy="fcfs")}
         app = config(models=("tiny",), stage_plans=plan, slo_ms=10_000.0)
-        dispatcher = await dispatcher_over(
-            workers, app, admission=False, call_timeout_floor_s=0.5, idle_probe_s=None
-        )
+        dispatcher = await slow_path_dispatcher(workers, app)
         inputs = [poison_row(q) if q == 3 else row(q, 0.9) for q in range(8)]
         results = await settle([dispatcher.submit([x]) for x in inputs])
         for q, result in enumerate(results):
