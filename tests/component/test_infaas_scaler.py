@@ -320,14 +320,18 @@ def planned_app(
         store.close()
 
 
-def idle_scaler(store: Any, clock: Any, resolver: Any) -> InfaasScaler:
-    """The scaler over an app the serving loop serves with nothing arriving (no worker)."""
+def idle_scaler(
+    store: Any,
+    clock: Any,
+    resolver: Any,
+    arrivals: Callable[[str], np.ndarray] = lambda _app: np.empty(0),
+) -> InfaasScaler:
+    """The scaler over an app the serving loop serves with no worker, its arrivals
+    ``arrivals`` (nothing arriving by default)."""
     from controlplane.serving.dispatcher import AppStatus
 
     idle = AppStatus(APP, "", 100.0, (), (), 0)
-    return InfaasScaler(
-        store, clock, lambda _app: np.empty(0), lambda: [idle], stored_apps(resolver)
-    )
+    return InfaasScaler(store, clock, arrivals, lambda: [idle], stored_apps(resolver))
 
 
 def test_a_variant_is_judged_against_the_slo_less_the_services_own_time(tmp_path: Path) -> None:
@@ -351,16 +355,9 @@ def test_a_variant_is_judged_against_the_slo_less_the_services_own_time(tmp_path
         store.apply_plan(APP, store.create_plan(APP, PLAN).id)
         store.set_serving_overhead(APP, 50.0, 100)
         resolver.invalidate(APP)
-        from controlplane.serving.dispatcher import AppStatus
-
-        idle = AppStatus(APP, "", 100.0, (), (), 0)
         arrivals = 990.0 + np.arange(3000) / 30.0  # 30 qps
-        scaler = InfaasScaler(
-            store,
-            clock,
-            lambda _app: arrivals[arrivals <= clock.now_s()],
-            lambda: [idle],
-            stored_apps(resolver),
+        scaler = idle_scaler(
+            store, clock, resolver, lambda _app: arrivals[arrivals <= clock.now_s()]
         )
         clock.advance(1.0)
         made = scaler.tick()
