@@ -22,7 +22,9 @@ Protocol server that is not the agent).
 Knobs, settable at any time: ``status`` (answer every infer request with this HTTP status),
 ``drop`` (close the connection instead of answering), ``hang`` (never answer, its health probe
 neither: a hung process), ``slow`` (a function of (model, row): the rows of a value-dependent
-slow path; a batch holding one is never answered, while the health probe is), ``holding``
+slow path; a batch holding one is never answered, while the health probe is, saying the worker
+is busy, as the agent's does, until :meth:`end_slow`; ``reports_busy`` False: it never says
+so, as a server that is not the agent), ``holding``
 (keep the answers until :meth:`release`), ``poison`` (a
 function of (model, row): the rows the model raises on; a batch holding one is answered as the
 agent answers it, 422 with ``failed_rows``, or, when ``foreign``, 500 without them);
@@ -186,6 +188,8 @@ class FakeWorker:
         self.drop = False
         self.hang = False
         self.slow: Callable[[str, Sequence[float]], bool] | None = None
+        self.slow_batches = 0  # the slow batches under way (never answered), till end_slow
+        self.reports_busy = True
         self.holding = False
         self._held: list[tuple[_Protocol, bytes]] = []
         self.healthy = True
@@ -233,6 +237,10 @@ class FakeWorker:
         for connection, answer in held:
             connection.send(200, answer)
 
+    def end_slow(self) -> None:
+        """The slow batches under way end (their answers go to no one): not busy any more."""
+        self.slow_batches = 0
+
     def signature(self, model: str) -> ModelSignature:
         return self.signatures.get(model, FAMILY_SIGNATURE)
 
@@ -253,7 +261,11 @@ class FakeWorker:
                 connection.send(status, health | {"protocol": WORKER_PROTOCOL})
             else:
                 key = "live" if path.endswith("/live") else "ready"
-                connection.send(status, {key: status == 200})
+                said: dict[str, object] = {key: status == 200}
+                if key == "ready" and status == 200 and self.reports_busy and not self.foreign:
+                    busy = self.slow_batches
+                    said |= {"busy": busy > 0, "in_flight": busy, "busy_s": 0.0}
+                connection.send(status, said)
             return
         parts = path.split("/")
         if len(parts) < 4 or parts[:3] != ["", "v2", "models"]:
@@ -289,6 +301,7 @@ class FakeWorker:
         self.last_request = document
         slow = self.slow
         if slow is not None and any(slow(model, r) for r in rows):
+            self.slow_batches += 1
             return
         poison = self.poison
         bad = [i for i, r in enumerate(rows) if poison(model, r)] if poison is not None else []

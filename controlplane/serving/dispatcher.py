@@ -52,7 +52,8 @@ judges).
   :mod:`controlplane.serving.health`, which also probes idle and unhealthy workers). A call
   that timed out on a worker that still answers its probe was a slow batch, not a worker gone:
   a query alone in it is answered 504 rather than sent on (it would take each worker out in
-  turn), the queries of a batch of several are tried again alone. A worker that answers
+  turn), the queries of a batch of several are tried again alone; the worker stays out while
+  its agent says a batch still runs there. A worker that answers
   that the model raised on the batch, or that its inputs are refused, stays healthy: a bad
   query fails alone (422 when the worker says its inputs are at fault or the model raised on
   it where that worker has answered the model before, else 502) and the other queries of its
@@ -126,7 +127,7 @@ from controlplane.serving.placement import Placement, policy_name
 from controlplane.serving.reach import ReachMeter
 from controlplane.serving.stages import ServingStage, Slot
 from controlplane.serving.states import ModelState, Overload, StateTracker, model_state
-from controlplane.serving.transport import WorkerTransport
+from controlplane.serving.transport import WorkerBusy, WorkerTransport
 from controlplane.serving.variants import AppVariants
 from controlplane.serving.workers import Worker, WorkerEndpoint
 from estimator.cascades import Cascade
@@ -990,11 +991,13 @@ class AppDispatcher:
 
     async def _answers(self, worker: Worker) -> bool:
         """Whether ``worker``, whose call just timed out, answers its health probe: alive, the
-        batch was slow (a value-dependent slow path of the model), not a worker gone."""
+        batch was slow (a value-dependent slow path of the model), not a worker gone. An agent
+        busy (with that batch, as it is) has answered."""
         try:
-            return await self.transport.health(worker.address, self.settings.slow_probe_s) is True
+            answer = await self.transport.health(worker.address, self.settings.slow_probe_s)
         except Exception:  # no answer (a cancellation is not an Exception: it goes through)
             return False
+        return answer is True or isinstance(answer, WorkerBusy)
 
     def _completed(
         self,
@@ -1110,9 +1113,11 @@ class AppDispatcher:
         but a batch of one query is not sent to another worker: its query is answered 504 (sent
         again, a slow query took each worker out in turn); a batch of several is tried again
         query by query (:attr:`_Part.alone`), so that the slow one is alone when it times out.
-        A worker back from its probe while still busy with a slow batch times out on the next
-        one too: not that batch's fault (``Worker.slow``, until a call of it is answered), so
-        it is retried as a worker's failure (the caller probes only a worker not flagged)."""
+        Its probes keep it out while its agent says the batch still runs
+        (:meth:`Health.recover`). One back while still busy (a server that does not say so)
+        times out on the next batch too: not that batch's fault (``Worker.slow``, until a call
+        of it is answered), so it is retried as a worker's failure (the caller probes only a
+        worker not flagged)."""
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)

@@ -18,7 +18,11 @@ who is probed, which failed queries are tried again, and who hears of a lost wor
   <controlplane.serving.dispatcher.AppDispatcher>`).
 - **Probes of the unhealthy** (:meth:`Health.due`, :meth:`Health.recover`): once its backoff is
   over, an unhealthy worker is probed (``GET /v2/health/ready``); one that answers 200 (and is
-  still the app's) serves again, the others wait out a longer backoff.
+  still the app's) serves again, the others wait out a longer backoff. One whose agent answers
+  that a batch is under way (:class:`~controlplane.serving.transport.WorkerBusy`: the slow
+  batch that took it out still runs, and the agent runs one batch at a time) stays out, probed
+  again after the same backoff: sent a batch now, that batch would wait and time out too. A
+  server that does not say so (not the agent) comes back on its 200 as before.
 - **Idle probes** (:meth:`Health.probe_idle`): a healthy worker that no call has reached for
   ``idle_probe_s`` must answer its probe too, so one that died while idle leaves matching
   (recorded like a failed call with nothing in flight) before a query is sent to it. A worker that
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 
 from controlplane.errors import WorkerCallError
 from controlplane.serving.config import DispatcherSettings
-from controlplane.serving.transport import WorkerTransport
+from controlplane.serving.transport import WorkerBusy, WorkerTransport
 from controlplane.serving.workers import Worker, WorkerEndpoint
 
 __all__ = ["Health", "WorkerLoss"]
@@ -136,17 +140,23 @@ class Health:
         self, due: Sequence[Worker], workers: Mapping[str, Worker], timeout_s: float
     ) -> list[Worker]:
         """Probe ``due``; those that answer ``ok`` and are still the app's (in ``workers``) are
-        healthy again and returned, the others wait out a longer backoff."""
+        healthy again and returned, those whose agent says it is busy wait out the same backoff
+        again, the others a longer one."""
         answers = await self._probe(due, timeout_s)
         now = self.clock_s()
         recovered = []
-        for worker, ok in zip(due, answers, strict=True):
-            if ok and workers.get(worker.instance_id) is worker:
+        for worker, answer in zip(due, answers, strict=True):
+            if answer is True and workers.get(worker.instance_id) is worker:
                 worker.recover(now)
                 recovered.append(worker)
                 logger.info("%s: worker %s healthy again", self.app, worker.instance_id)
-            elif not worker.healthy:
-                worker.fail(now, worker.last_error or "health probe failed")
+            elif worker.healthy:
+                continue
+            elif isinstance(answer, WorkerBusy):
+                worker.still_busy(now, answer.in_flight, answer.busy_s)
+            else:
+                reason = "" if worker.agent_busy else worker.last_error
+                worker.fail(now, reason or "health probe failed")
         return recovered
 
     async def probe_idle(self, workers: Mapping[str, Worker], now_s: float) -> list[Worker]:
@@ -167,21 +177,22 @@ class Health:
         answers = await self._probe(idle, self.settings.call_timeout_floor_s)
         now = self.clock_s()
         lost = []
-        for worker, ok in zip(idle, answers, strict=True):
+        for worker, answer in zip(idle, answers, strict=True):
             # A batch it took meanwhile (running now, or done: checked since) speaks for it.
             gone = workers.get(worker.instance_id) is not worker
             if gone or worker.running or worker.checked_s > asked_s:
                 continue
-            if ok:
+            if answer is not False:  # answered (busy or not): alive
                 worker.checked_s = now
             elif worker.healthy:
                 worker.fail(now, "health probe failed while idle")
                 lost.append(worker)
         return lost
 
-    async def _probe(self, workers: Sequence[Worker], timeout_s: float) -> list[bool]:
-        """Whether each of ``workers`` answers its health probe (an exception is a no); they
-        are marked ``probing`` meanwhile, so that no other probe overlaps."""
+    async def _probe(self, workers: Sequence[Worker], timeout_s: float) -> list[bool | WorkerBusy]:
+        """Whether each of ``workers`` answers its health probe (an exception, or anything but
+        True or a :class:`~controlplane.serving.transport.WorkerBusy`, is a no); they are
+        marked ``probing`` meanwhile, so that no other probe overlaps."""
         for worker in workers:
             worker.probing = True
         try:
@@ -192,4 +203,7 @@ class Health:
         finally:
             for worker in workers:
                 worker.probing = False
-        return [answer is True for answer in answers]
+        return [
+            answer if answer is True or isinstance(answer, WorkerBusy) else False
+            for answer in answers
+        ]

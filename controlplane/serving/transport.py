@@ -5,7 +5,8 @@ Workers speak the Open Inference Protocol v2 (REST): the worker agent
 (:mod:`provisioners.worker.agent`), or any other server of the protocol with Triton's binary
 tensor extension (batches are sent in binary tensors, :class:`~controlplane.serving.modelio.
 ModelIO`), answers ``POST /v2/models/{model}/infer`` and ``GET /v2/health/ready`` with bodies that
-carry ``Content-Length``. What a batch's body is and what its answer means is the business of the
+carry ``Content-Length`` (the agent's ready answer also says whether a batch is under way there:
+:class:`WorkerBusy`). What a batch's body is and what its answer means is the business of the
 model's :class:`~controlplane.serving.modelio.ModelIO`. This module owns the client side: one
 pool of open connections per worker address (the dispatcher sends a worker one batch at a
 time, so one connection per worker is what it uses; a health probe may take a second), reuse
@@ -35,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import httptools
@@ -53,9 +56,11 @@ __all__ = [
     "MODEL_STATUS",
     "WATCH_S",
     "HttpWorkerTransport",
+    "WorkerBusy",
     "WorkerReply",
     "WorkerTransport",
     "answer_error",
+    "busy_of",
 ]
 
 # The agent closes a connection idle for 30 s (provisioners.worker.agent.IDLE_CONNECTION_S); one
@@ -74,6 +79,16 @@ _MAX_HEAD_BYTES = 16 * 1024
 _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerBusy:
+    """A worker's health answer: ready, but busy with ``in_flight`` batches, the oldest for
+    ``busy_s`` (the agent's ``/v2/health/ready`` says so; a server that does not is never
+    busy). What :meth:`WorkerTransport.health` answers instead of True for it."""
+
+    in_flight: int
+    busy_s: float
+
+
 class WorkerTransport(Protocol):
     """How the dispatcher talks to workers (the live one, or a stub in a benchmark)."""
 
@@ -86,8 +101,9 @@ class WorkerTransport(Protocol):
         rows are refused or the model raised on them: :func:`answer_error`)."""
         ...
 
-    async def health(self, address: str, timeout_s: float) -> bool:
-        """Whether the worker at ``address`` answers ``GET /v2/health/ready`` with 200."""
+    async def health(self, address: str, timeout_s: float) -> bool | WorkerBusy:
+        """Whether the worker at ``address`` answers ``GET /v2/health/ready`` with 200; a
+        :class:`WorkerBusy` (answered, so alive) when it says a batch is under way there."""
         ...
 
     async def close(self) -> None:
@@ -263,13 +279,15 @@ class HttpWorkerTransport:
             raise answer_error(address, status, answer, len(rows))
         return io.decode(address, answer, len(rows))
 
-    async def health(self, address: str, timeout_s: float) -> bool:
+    async def health(self, address: str, timeout_s: float) -> bool | WorkerBusy:
         # Ready, not live: a worker still loading its models, or draining, answers 503.
         try:
-            status, _ = await self._request(address, "GET", "/v2/health/ready", b"", timeout_s)
+            status, body = await self._request(address, "GET", "/v2/health/ready", b"", timeout_s)
         except WorkerCallError:
             return False
-        return status == 200
+        if status != 200:
+            return False
+        return busy_of(_error_document(body)) or True
 
     async def close(self) -> None:
         self._closed = True
@@ -432,6 +450,21 @@ def answer_error(address: str, status: int, body: bytes, batch: int) -> WorkerCa
     kind = "model" if status == MODEL_STATUS else "input"
     return WorkerCallError(
         address, kind, f"HTTP {status}: {text}", status=status, worker_fault=False, rows=rows
+    )
+
+
+def busy_of(document: object) -> WorkerBusy | None:
+    """What a ready answer's body says of batches under way: the agent's ``"busy": true``
+    with ``in_flight`` and ``busy_s`` (numbers; 1 and 0 when missing or odd); None when not
+    busy or not said (a server that is not the agent)."""
+    if not isinstance(document, dict) or document.get("busy") is not True:
+        return None
+    in_flight = document.get("in_flight")
+    busy_s = document.get("busy_s")
+    if not isinstance(busy_s, int | float) or isinstance(busy_s, bool) or not math.isfinite(busy_s):
+        busy_s = 0.0
+    return WorkerBusy(
+        in_flight if type(in_flight) is int and in_flight > 0 else 1, max(0.0, float(busy_s))
     )
 
 

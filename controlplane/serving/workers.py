@@ -12,7 +12,9 @@ healthy, whether they are busy.
   a timeout) is marked unhealthy *at once* and leaves matching; the dispatcher re-dispatches the
   batch it held. It is probed (``GET /health``) from ``retry_at_s`` on, an exponential backoff
   from :data:`BACKOFF_BASE_S` to :data:`BACKOFF_MAX_S` over its consecutive failures, and
-  comes back after a probe that answers ``ok``; a successful batch resets the count. A worker the
+  comes back after a probe that answers ``ok``; a successful batch resets the count. A probe
+  whose agent says it is busy (a slow batch still runs there) keeps it out without counting a
+  failure: it is probed again after the same backoff (:meth:`Worker.still_busy`). A worker the
   source stops listing (terminated, failed) leaves the loop altogether.
 - **Busy**: a worker serves one batch at a time (the agent serialises batches, and the simulator
   and the policies assume it), so the loop sends it the next only when the last has returned;
@@ -176,6 +178,7 @@ class Worker:
     """One live worker in the serving loop (see the module docstring)."""
 
     __slots__ = (
+        "agent_busy",
         "answered",
         "busy_marks",
         "busy_s",
@@ -212,6 +215,7 @@ class Worker:
         self.retry_at_s = now_s
         self.last_error = ""
         self.probing = False
+        self.agent_busy = False  # its last probe found its agent busy (last_error says so)
 
     @property
     def instance_id(self) -> str:
@@ -280,9 +284,19 @@ class Worker:
         self.failures += 1
         self.retry_at_s = now_s + backoff_s(self.failures)
         self.last_error = reason
+        self.agent_busy = False
+
+    def still_busy(self, now_s: float, in_flight: int, busy_s: float) -> None:
+        """Its probe found it alive but its agent busy (``in_flight`` batches, the oldest for
+        ``busy_s``: a slow batch still runs there): it stays out of matching, probed again
+        after the same backoff (busy is not a failure: the backoff does not grow)."""
+        self.retry_at_s = now_s + backoff_s(self.failures)
+        self.last_error = f"busy: {in_flight} batch(es) under way, the oldest for {busy_s:.1f} s"
+        self.agent_busy = True
 
     def recover(self, now_s: float) -> None:
         self.healthy = True
+        self.agent_busy = False
         self.idle_since_s = now_s
         self.checked_s = now_s
         self.last_error = ""

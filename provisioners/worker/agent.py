@@ -21,8 +21,10 @@ Routes (every body is JSON, but an infer request's in binary tensors; every erro
 ``{"error": "one line"}``):
 
 - ``GET /v2/health/live``: 200 ``{"live": true}`` while the process serves HTTP.
-- ``GET /v2/health/ready``: 200 ``{"ready": true}`` once the models are loaded, else 503
-  ``{"ready": false, "status"}``.
+- ``GET /v2/health/ready``: 200 ``{"ready": true, "busy", "in_flight", "busy_s"}`` once the
+  models are loaded, else 503 ``{"ready": false, "status"}``. ``busy``: a batch is under way
+  (``in_flight`` batches, running or waiting for the one running; the oldest arrived
+  ``busy_s`` ago), which the dispatcher reads of a worker back from a timed-out call.
 - ``GET /v2/models/{m}``: 200 ``{"name", "versions": ["1"], "platform", "inputs", "outputs"}``
   (:func:`~provisioners.worker.oip.model_metadata`). ``GET /v2/models/{m}/ready``: 200
   ``{"name", "ready": true}``.
@@ -37,7 +39,8 @@ Routes (every body is JSON, but an infer request's in binary tensors; every erro
   "emulated", "emulated_ms" (the emulated type's latency for this batch, null when not
   emulated), "emulation_source"}}``.
 - ``GET /health``: 200 ``{"status": "ok", "instance_type", "models", "artifacts", "emulated",
-  "speed_factor", "uptime_s", "worker_id", "pid", "protocol"}`` (``protocol``: what it reads,
+  "speed_factor", "uptime_s", "worker_id", "pid", "protocol", "busy", "in_flight", "busy_s"}``
+  (``busy`` and the others as ``/v2/health/ready``'s; ``protocol``: what it reads,
   :data:`~provisioners.worker.oip.WORKER_PROTOCOL`) once the models are loaded; 503 with
   ``status`` ``loading``, ``stopping`` or ``failed`` before or after (the local provisioner
   polls it).
@@ -293,6 +296,7 @@ class WorkerAgent:
         self._stats_lock = threading.Lock()
         self._stats = {name: _ModelStats() for name in config.models}
         self._in_flight = 0
+        self._arrivals: list[float] = []  # when each batch in flight arrived (clock)
         self._idle = threading.Condition()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -322,6 +326,15 @@ class WorkerAgent:
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
 
+    def busy(self) -> dict[str, Any]:
+        """Whether a batch is under way: ``busy``, ``in_flight`` (batches running or waiting
+        for the one running) and ``busy_s`` (since the oldest of them arrived; 0 when none)."""
+        with self._idle:
+            in_flight = self._in_flight
+            oldest = min(self._arrivals, default=None)
+        busy_s = 0.0 if oldest is None else round(max(0.0, self._clock() - oldest), 3)
+        return {"busy": in_flight > 0, "in_flight": in_flight, "busy_s": busy_s}
+
     # --- routes ---------------------------------------------------------------------------------
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -337,6 +350,7 @@ class WorkerAgent:
             "worker_id": self.config.worker_id,
             "pid": os.getpid(),
             "protocol": WORKER_PROTOCOL,
+            **self.busy(),
         }
         if self._failure is not None:
             body["error"] = self._failure
@@ -345,7 +359,7 @@ class WorkerAgent:
     def ready(self) -> tuple[int, dict[str, Any]]:
         """``GET /v2/health/ready``."""
         if self._status == "ok":
-            return HTTPStatus.OK, {"ready": True}
+            return HTTPStatus.OK, {"ready": True, **self.busy()}
         body: dict[str, Any] = {"ready": False, "status": self._status}
         if self._failure is not None:
             body["error"] = self._failure
@@ -405,13 +419,16 @@ class WorkerAgent:
             raise RequestError(error.status, str(error)) from None
         budget_s = rows_alone_budget_s(body)
         stop_s = None if budget_s is None else self._clock() + budget_s
+        arrived = self._clock()
         with self._idle:
             self._in_flight += 1
+            self._arrivals.append(arrived)
         try:
             return self._run(model, runtime, request, stop_s)
         finally:
             with self._idle:
                 self._in_flight -= 1
+                self._arrivals.remove(arrived)
                 self._idle.notify_all()
 
     def _runtime(self, model: str) -> ModelRuntime:

@@ -55,7 +55,12 @@ from controlplane.serving.loop import ServingLoop, ServingSettings
 from controlplane.serving.modelio import ModelIO, Row
 from controlplane.serving.observations import Observations
 from controlplane.serving.transport import HttpWorkerTransport, WorkerReply
-from controlplane.serving.workers import ProvisionedInstances, StaticInstances, WorkerEndpoint
+from controlplane.serving.workers import (
+    ProvisionedInstances,
+    StaticInstances,
+    WorkerEndpoint,
+    backoff_s,
+)
 from controlplane.settings import Settings
 from estimator.cascades import Cascade
 from estimator.fleet import Fleet
@@ -732,9 +737,9 @@ def test_a_slow_query_alone_takes_out_one_worker_and_is_answered_504() -> None:
 
 def test_a_worker_back_while_still_busy_with_a_slow_query_does_not_fail_the_next() -> None:
     """The worker a slow query took out answers its probe and serves again, still busy with
-    that query (a real agent runs one batch at a time): the next query's call to it times out
-    too. That query is not the slow one: it is tried on the other worker and answered, not
-    answered 504."""
+    that query (a server that does not say it is busy, unlike the agent, and runs one batch at
+    a time): the next query's call to it times out too. That query is not the slow one: it is
+    tried on the other worker and answered, not answered 504."""
     now = [1000.0]
 
     async def scenario() -> None:
@@ -746,12 +751,54 @@ def test_a_worker_back_while_still_busy_with_a_slow_query_does_not_fail_the_next
         assert isinstance(slow, QueryTimeoutError), slow
         (out,) = [k for k, w in enumerate(dispatcher.status().workers) if not w.healthy]
         workers[out].slow = lambda model, values: True  # still busy with the slow query
+        workers[out].reports_busy = False  # and does not say so
         now[0] += 60.0  # past its probe's backoff
         await dispatcher.probe()
         assert all(w.healthy for w in dispatcher.status().workers)
         results = await settle([dispatcher.submit([row(q, 0.9)]) for q in range(2)])
         assert [r.outputs for r in results if isinstance(r, InferResult)] == [(0,), (1,)]
         assert workers[out].received == 2 and workers[1 - out].requests == 2
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_worker_whose_agent_says_it_is_busy_stays_out_until_the_slow_query_ends() -> None:
+    """The worker a slow query took out answers its probes, but its agent says a batch is
+    under way there (the slow one: it runs one at a time): it stays out of matching, probed
+    again after the same backoff (busy is no failure: the backoff does not grow), and is sent
+    nothing meanwhile (no query times out behind the slow one). Once the slow batch ends, its
+    next probe puts it back."""
+    now = [1000.0]
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        losses: list[str] = []
+        dispatcher = await slow_path_dispatcher(
+            workers,
+            config(models=("tiny",)),
+            clock_s=lambda: now[0],
+            on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
+        )
+        (slow,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(slow, QueryTimeoutError), slow
+        (out,) = [w for w in dispatcher.workers() if not w.healthy]
+        index = int(out.instance_id.removeprefix("i-"))
+        assert workers[index].slow_batches == 1 and out.failures == 1
+        for _ in range(3):
+            now[0] += 60.0  # past its probe's backoff
+            await dispatcher.probe()
+            assert not out.healthy and out.last_error.startswith("busy: 1 batch"), out.last_error
+            assert out.failures == 1 and out.retry_at_s == now[0] + backoff_s(1)
+            results = await settle([dispatcher.submit([row(q, 0.9)]) for q in range(2)])
+            assert [r.outputs for r in results if isinstance(r, InferResult)] == [(0,), (1,)]
+        assert workers[index].received == 1 and losses == [out.instance_id]
+        workers[index].end_slow()
+        now[0] += 60.0
+        await dispatcher.probe()
+        assert all(w.healthy for w in dispatcher.workers()) and out.last_error == ""
+        totals = dispatcher.observations.totals()["demo"]
+        assert (totals.answered, totals.timed_out, totals.failed) == (6, 1, 0)
         await dispatcher.close()
 
     run(scenario())

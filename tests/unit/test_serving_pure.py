@@ -36,7 +36,14 @@ from controlplane.serving.states import (
     is_overloaded,
     model_state,
 )
-from controlplane.serving.transport import HttpWorkerTransport, _Answer, _Channel, answer_error
+from controlplane.serving.transport import (
+    HttpWorkerTransport,
+    WorkerBusy,
+    _Answer,
+    _Channel,
+    answer_error,
+    busy_of,
+)
 from controlplane.serving.workers import BACKOFF_MAX_S, Worker, WorkerEndpoint, backoff_s
 from estimator.cascades import Cascade
 from estimator.fleet import Fleet
@@ -673,3 +680,63 @@ def test_a_worker_that_answered_is_never_marked_unhealthy() -> None:
         fresh = Worker(WorkerEndpoint("i-2", "emu.cpu.large", "w:2"), 0.0)
         assert health.call_failed(fresh, error, 1.0) is True
         assert not fresh.healthy and health.retries(error, 1)
+
+
+class _Answers:
+    """A transport whose health probes answer in turn what ``answers`` holds (no calls)."""
+
+    def __init__(self, *answers: bool | WorkerBusy) -> None:
+        self.answers = list(answers)
+
+    async def health(self, address: str, timeout_s: float) -> bool | WorkerBusy:
+        return self.answers.pop(0)
+
+
+def test_a_worker_whose_agent_is_busy_stays_out_at_the_same_backoff_until_it_is_not() -> None:
+    """A worker out after a slow query, probed: while its agent says a batch is under way it
+    stays out, probed again after the same backoff (busy is no failure); then it answers
+    ready and not busy and is back. A transport that never says busy (True) puts it back at
+    once, as before; no answer (False) lengthens its backoff."""
+    clock = [100.0]
+    transport = _Answers(WorkerBusy(1, 1.5), WorkerBusy(2, 4.0), True, False)
+    health = Health("demo", transport, DispatcherSettings(), lambda: clock[0])  # type: ignore[arg-type]
+    worker = Worker(WorkerEndpoint("i-1", "emu.cpu.large", "w:1"), 0.0)
+    workers = {"i-1": worker}
+    worker.fail(clock[0], "no answer within 1000 ms")
+    for in_flight, busy_s in ((1, 1.5), (2, 4.0)):
+        clock[0] = worker.retry_at_s
+        assert health.due(workers, clock[0]) == [worker]
+        assert asyncio.run(health.recover([worker], workers, 0.5)) == []
+        assert not worker.healthy and worker.failures == 1
+        assert worker.retry_at_s == clock[0] + backoff_s(1)
+        assert worker.last_error == (
+            f"busy: {in_flight} batch(es) under way, the oldest for {busy_s:.1f} s"
+        )
+    clock[0] = worker.retry_at_s
+    assert asyncio.run(health.recover([worker], workers, 0.5)) == [worker]
+    assert worker.healthy and worker.last_error == ""
+    worker.fail(clock[0], "no answer within 1000 ms")  # a second failure (none answered since)
+    worker.still_busy(clock[0], 1, 0.0)
+    clock[0] = worker.retry_at_s
+    assert asyncio.run(health.recover([worker], workers, 0.5)) == []
+    assert worker.failures == 3 and worker.last_error == "health probe failed"
+    assert worker.retry_at_s == clock[0] + backoff_s(3)
+
+
+@pytest.mark.parametrize(
+    ("body", "busy"),
+    [
+        ({"ready": True}, None),  # a server that does not say
+        ({"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0}, None),
+        ({"ready": True, "busy": True, "in_flight": 2, "busy_s": 3.5}, WorkerBusy(2, 3.5)),
+        ({"busy": True}, WorkerBusy(1, 0.0)),
+        ({"busy": True, "in_flight": "2", "busy_s": float("nan")}, WorkerBusy(1, 0.0)),
+        ({"busy": True, "in_flight": True, "busy_s": -1}, WorkerBusy(1, 0.0)),
+        ({"busy": "yes"}, None),
+        ([], None),
+    ],
+)
+def test_a_ready_answer_says_busy_only_with_the_agents_busy_true(
+    body: object, busy: WorkerBusy | None
+) -> None:
+    assert busy_of(body) == busy

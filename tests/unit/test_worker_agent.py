@@ -11,9 +11,11 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -714,7 +716,7 @@ def test_health_follows_the_lifecycle_and_only_a_ready_worker_serves() -> None:
     status, health = worker.health()
     assert (status, health["status"], health["models"]) == (200, "ok", ["tiny", "large"])
     assert health["artifacts"] == []
-    assert worker.ready() == (200, {"ready": True})
+    assert worker.ready() == (200, {"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0})
     assert worker.model_ready("tiny") == {"name": "tiny", "ready": True}
     assert worker.metadata("tiny")["inputs"] == [
         {"name": "input", "datatype": "FP32", "shape": [-1, 64]}
@@ -733,6 +735,50 @@ def test_health_follows_the_lifecycle_and_only_a_ready_worker_serves() -> None:
         "status": "failed",
         "error": "cannot load the models",
     }
+
+
+class Blocking(FakeRuntime):
+    """A family model whose batches wait for ``go`` (a slow query still running)."""
+
+    def __init__(self, times: FakeTime) -> None:
+        super().__init__(times, 3)
+        self.go = threading.Event()
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert self.go.wait(30.0), "never let go"
+        return super().run(inputs)
+
+
+def test_health_says_whether_a_batch_is_under_way_and_since_when() -> None:
+    """A batch running (and one waiting for it) make the agent busy in both health answers,
+    with the age of the oldest; once they end it is not. The dispatcher reads it of a worker
+    back from a timed-out call: busy, it is not sent work."""
+    times = FakeTime(compute_ms=1.0)
+    worker = ready_agent(times, Emulation("emu.cpu.small", None))
+    model = Blocking(times)
+    worker.set_models({"tiny": model})
+    idle = {"busy": False, "in_flight": 0, "busy_s": 0.0}
+    assert worker.ready() == (200, {"ready": True, **idle})
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(worker.infer, "tiny", infer_body(1))
+        deadline = time.monotonic() + 30.0
+        while worker.ready()[1]["in_flight"] < 1:
+            assert time.monotonic() < deadline, "the batch never started"
+            time.sleep(0.01)
+        times.now_s += 2.5
+        second = pool.submit(worker.infer, "tiny", infer_body(1))
+        while worker.ready()[1]["in_flight"] < 2:
+            assert time.monotonic() < deadline, "the second batch never arrived"
+            time.sleep(0.01)
+        busy = {"busy": True, "in_flight": 2, "busy_s": 2.5}
+        assert worker.ready() == (200, {"ready": True, **busy})
+        status, health = worker.health()
+        assert status == 200 and {k: health[k] for k in busy} == busy
+        model.go.set()
+        first.result(30.0)
+        second.result(30.0)
+    assert worker.ready() == (200, {"ready": True, **idle})
+    assert {k: worker.health()[1][k] for k in idle} == idle
 
 
 # --- HTTP, in-process -----------------------------------------------------------------------------
@@ -773,7 +819,10 @@ def call(url: str, data: bytes | None = None, method: str = "GET") -> tuple[int,
 def test_http_routes_and_their_errors(server: str) -> None:
     assert call(f"{server}/health")[0] == 200
     assert call(f"{server}/v2/health/live") == (200, {"live": True})
-    assert call(f"{server}/v2/health/ready") == (200, {"ready": True})
+    assert call(f"{server}/v2/health/ready") == (
+        200,
+        {"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0},
+    )
     assert call(f"{server}/v2/models/tiny/ready") == (200, {"name": "tiny", "ready": True})
     status, metadata = call(f"{server}/v2/models/tiny")
     assert status == 200 and metadata["versions"] == ["1"] and metadata["platform"] == "fake"
