@@ -25,9 +25,12 @@ served: the signature the registry stored reaches the workers with the artifact 
 A TorchScript model that raises on some values (an error that names no input fault) and takes a
 slow path on others, served by two workers one query a batch, with a call timeout of 1 s: a
 query it raises on, alone, is a 422 once the model has answered on its worker (as it is beside
-good rows), and the slow query is a 504 that takes one worker out of matching, not both. The
-slow path waits at a gate (a named pipe the test opens at its end): it outlasts the call
-timeout on a machine of any speed and costs no CPU.
+good rows), and the slow query is a 504 that takes one worker out of matching, not both. While
+the slow query still runs there, that worker's agent says it is busy: it stays out (probed,
+not put back), no later query is sent to it (none waits behind the slow one and times out),
+and once the slow path ends it serves again. The slow path waits at a gate (a named pipe the
+test opens when the slow query is to end): it outlasts the call timeout on a machine of any
+speed and costs no CPU.
 
 Everything is polled against deadlines; nothing is timed.
 """
@@ -40,7 +43,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -353,17 +356,28 @@ class _Moody(torch.nn.Module):  # type: ignore[name-defined,misc]
 
 
 @contextlib.contextmanager
-def _gate(gate: Path) -> Iterator[None]:
+def _gate(gate: Path) -> Iterator[Callable[[], None]]:
     """``gate`` a named pipe, opened to write at the end: the slow paths waiting to open it
     go on (and their workers can stop); none waiting, nothing to do. Nothing is written: the
     opening is what they wait for, and a reader goes on at once (``torch.from_file`` cannot
-    map a pipe: it raises and closes it), which made a write fail now and then (EPIPE)."""
+    map a pipe: it raises and closes it), which made a write fail now and then (EPIPE). What
+    it yields opens the gate before the end and holds it open: every slow path from then on
+    goes on at once (the agent's run of the slow row again alone, after the model raised,
+    included)."""
     os.mkfifo(gate)
+    held: list[int] = []
+
+    def release() -> None:
+        if not held:  # read and write: opens at once, reader or not (Linux)
+            held.append(os.open(gate, os.O_RDWR | os.O_NONBLOCK))
+
     try:
-        yield
+        yield release
     finally:
         with contextlib.suppress(OSError):  # ENXIO: no slow path has it open
             os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+        for fd in held:
+            os.close(fd)
 
 
 def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_worker(
@@ -388,7 +402,7 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
     profiles.write_text(json.dumps({"profiles": [entry]}))
     admin = service.store.create_token("admin", name="operator")
     headers = {"Authorization": f"Bearer {service.store.create_token('infer', name='client')}"}
-    with ApiServer(service) as url, _gate(gate):
+    with ApiServer(service) as url, _gate(gate) as release:
         monkeypatch.setenv("HETEROPLANE_URL", url)
         monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
         _cli(capsys, "model", "push", name, str(path), "--format", "torchscript", "--inputs",
@@ -429,13 +443,39 @@ def test_a_raising_query_is_a_422_alone_and_a_slow_one_a_504_that_takes_out_one_
             assert error["code"] == "query_timeout" and "within 1 s" in error["message"], error
             assert "Retry-After" not in slow.headers
             after = list(pool.map(infer, [1.0] * 4))
-        assert all(a.status_code == 200 for a in after), [a.text for a in after]
-        # One worker taken out (again, maybe, while still busy with the slow query), never the
-        # other. The loop records the losses in a thread: polled for.
+            assert all(a.status_code == 200 for a in after), [a.text for a in after]
+            # The slow query's worker answers its probes but its agent says the slow batch
+            # still runs there: it stays out, probed again and again (two probes seen), and
+            # the good queries meanwhile go to the other worker only (its agent has the slow
+            # batch alone in flight: no query waited behind it and timed out).
+            seen: set[str] = set()
+            while len(seen) < 2:
+                workers = _serving_status(url, admin, app)["workers"]
+                outs = [w for w in workers if not w["healthy"]]
+                assert len(outs) == 1, f"the slow query's worker is not kept out: {workers}"
+                (out,) = outs
+                if out["last_error"].startswith("busy: 1 batch(es) under way"):
+                    seen.add(out["last_error"])
+                assert time.monotonic() < deadline, f"not kept out as busy: {out}"
+                time.sleep(0.05)
+            before = answered(out["address"])
+            meanwhile = list(pool.map(infer, [1.0] * 8))
+            assert all(m.status_code == 200 for m in meanwhile), [m.text for m in meanwhile]
+            ready = httpx.get(f"http://{out['address']}/v2/health/ready", trust_env=False)
+            assert ready.json()["busy"] is True and ready.json()["in_flight"] == 1, ready.text
+            assert answered(out["address"]) == before
+            # The slow batch ends: the worker's next probe puts it back, and it serves again.
+            release()
+            while answered(out["address"]) == before:
+                assert time.monotonic() < deadline, "the worker never served again"
+                again = list(pool.map(infer, [1.0] * 4))
+                assert all(a.status_code == 200 for a in again), [a.text for a in again]
+        # The slow query's worker was taken out once, and never the other. The loop records the
+        # losses in a thread: polled for.
         while not (losses := _losses(service, app)):
             assert time.monotonic() < deadline, "no worker_unhealthy decision"
             time.sleep(0.05)
-    assert len({d.numbers["instance_id"] for d in losses}) == 1, losses
+    assert len(losses) == 1 and losses[0].numbers["instance_id"] == out["instance_id"], losses
 
 
 def _losses(service: Service, app: str) -> list[Any]:
