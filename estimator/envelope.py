@@ -36,6 +36,9 @@ DEFAULT_PERSISTENCE_S = 15.0
 # The burstiness estimate (:func:`arrival_cv2`) normalises each gap by the arrival rate of its
 # stretch of this length, so that a load that moves over tens of seconds does not read as bursts.
 DEFAULT_CV2_BIN_S = 10.0
+# How many standard deviations of a renewal count a second's arrivals may stand above their
+# stretch's median before :func:`clip_short_bursts` reads the excess as a blip.
+BURST_CLIP_Z = 5.0
 
 
 def tuner_windows_s(
@@ -218,6 +221,70 @@ def recurring_envelope(
     arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
     best = _recurring_max(arrivals, np.ascontiguousarray(full.window_s), persist)
     return Envelope(window_s=full.window_s, max_arrivals=best)
+
+
+def clip_short_bursts(
+    arrival_s: ArrayLike,
+    persistence_s: float = DEFAULT_PERSISTENCE_S,
+    cv2: float = 1.0,
+    *,
+    z: float = BURST_CLIP_Z,
+    bin_s: float = 1.0,
+) -> FloatArray:
+    """The arrivals less the excess of each ``bin_s`` second that stands out of its stretch of
+    ``persistence_s`` (centred on it) by more than ``z`` standard deviations of a renewal count:
+    a bin of c arrivals whose stretch's median bin holds m keeps at most
+    m + z sqrt(max(m, 1) max(cv2, 1)) of them (the earliest), the rest are dropped.
+
+    A burst that is over within about half the stretch (a blip: a few seconds' worth of queries
+    inside one second) is then read at the traffic's own level, while a rise, a step or a burst
+    that lasts (over half the stretch at its new level) is not touched, nor is the noise of a
+    renewal stream of the given burstiness (5 standard deviations). This is what
+    :func:`recurring_envelope` does for a window whose stretch the arrivals span twice, for the
+    windows they do not (a minute's memory read at 32 and 60 s), and for the tuner's line through
+    the last minute's counts (docs/tuner.md, "Noise: the persistence test").
+
+    >>> steady = np.arange(0.0, 60.0, 0.125)          # 8 qps for a minute
+    >>> blip = np.sort(np.concatenate([steady, 30.0 + np.arange(200) / 400]))  # +200 in 0.5 s
+    >>> arrival_envelope(clip_short_bursts(blip, 15.0), [32.0]).max_arrivals.tolist()
+    [270]
+    >>> step = np.sort(np.concatenate([steady, 30.0 + np.arange(240) / 8]))  # +8 qps from 30 s
+    >>> clip_short_bursts(step, 15.0).size == step.size
+    True
+
+    Raises:
+        TraceError: arrivals that are not one-dimensional, finite and sorted.
+        WorkloadError: a ``persistence_s``, ``z`` or ``bin_s`` that is not finite and > 0.
+    """
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    if arrivals.ndim != 1:
+        raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
+    check_non_decreasing(arrivals, "arrival time")
+    for name, value in (("persistence_s", persistence_s), ("z", z), ("bin_s", bin_s)):
+        if not (isinstance(value, Real) and math.isfinite(value) and value > 0.0):
+            raise WorkloadError(f"{name} must be a finite number > 0, got {value!r}")
+    if arrivals.size < 2:
+        return arrivals
+    first = float(arrivals[0])
+    bins = math.floor((float(arrivals[-1]) - first) / bin_s) + 1
+    half = max(1, round(float(persistence_s) / bin_s / 2.0))
+    if bins < 2 * half + 1:
+        return arrivals  # a span shorter than the stretch: nothing stands out of it
+    index = np.minimum(((arrivals - first) / bin_s).astype(np.int64), bins - 1)
+    counts = np.bincount(index, minlength=bins).astype(np.float64)
+    # At either end the stretch is what there is of it (a blip in the last second is judged
+    # against the seconds before it, not against copies of itself).
+    padded = np.pad(counts, half, mode="constant", constant_values=np.nan)
+    stretches = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
+    level = np.nanmedian(stretches, axis=1)
+    var = max(float(cv2), 1.0) if math.isfinite(cv2) else 1.0
+    keep = np.floor(level + z * np.sqrt(np.maximum(level, 1.0) * var))
+    if not (counts > keep).any():
+        return arrivals
+    starts = np.searchsorted(index, np.arange(bins), side="left")
+    rank = np.arange(arrivals.size) - starts[index]
+    kept: FloatArray = arrivals[rank < keep[index]]
+    return kept
 
 
 def arrival_envelope(arrival_s: ArrayLike, window_s: ArrayLike | Sequence[float]) -> Envelope:

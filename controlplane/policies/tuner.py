@@ -75,6 +75,7 @@ from estimator.envelope import (
     DEFAULT_MAX_WINDOW_S,
     arrival_cv2,
     arrival_envelope,
+    clip_short_bursts,
     recurring_envelope,
     tuner_windows_s,
 )
@@ -1932,7 +1933,7 @@ def tune(
             without_burst.append(
                 full
                 if config.persistence_s is None
-                else recurring_envelope(arrivals, config.windows_s, config.persistence_s).rate_qps
+                else recurring_envelope(calm(), config.windows_s, config.persistence_s).rate_qps
             )
         if planned not in ups:
             live = without_burst[0]
@@ -1945,6 +1946,21 @@ def tune(
         if not live_cv2:
             live_cv2.append(arrival_cv2(arrivals))
         return live_cv2[0]
+
+    calmed: list[np.ndarray] = []
+
+    def calm() -> np.ndarray:
+        # The arrivals without the excess of a second that stands out of its persistence
+        # stretch (a blip; :func:`estimator.envelope.clip_short_bursts`): what the scale-up's
+        # envelope and the trend's line read, at every window the memory holds.
+        if not calmed:
+            persistence_s = config.persistence_s
+            calmed.append(
+                arrivals
+                if persistence_s is None or arrivals.size < 2
+                else clip_short_bursts(arrivals, persistence_s, burstiness()[0])
+            )
+        return calmed[0]
 
     def sized(plan: TunerStage) -> tuple[TunerStage, tuple[float, ...], str]:
         read = burstiness() if plan.burstiness and plan.cv2 is not None else None
@@ -1962,7 +1978,7 @@ def tune(
             # A span not watched whole would read as a rise from nothing.
             steady = config.lead_on_rise or config.follow_fall
             read = (
-                _steady_line(arrivals, now, config.recent_s, burstiness()[0])
+                _steady_line(calm(), now, config.recent_s, burstiness()[0])
                 if steady and watched >= config.recent_s
                 else None
             )

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from estimator.envelope import Envelope, arrival_cv2, arrival_envelope, tuner_windows_s
+from estimator.envelope import (
+    Envelope,
+    arrival_cv2,
+    arrival_envelope,
+    clip_short_bursts,
+    tuner_windows_s,
+)
 from estimator.errors import TraceError, WorkloadError
 from estimator.traces import constant_profile, gamma_arrivals, renewal_arrivals, step_profile
 
@@ -168,3 +174,55 @@ def test_the_burstiness_of_too_few_or_bad_arrivals() -> None:
         arrival_cv2([2.0, 1.0, 3.0])
     with pytest.raises(WorkloadError, match="bin_s"):
         arrival_cv2([1.0, 2.0, 3.0], bin_s=0.0)
+
+
+# --- short bursts taken out of long windows ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("rate", "cv2"), [(60.0, 1.0), (60.0, 8.0), (250.0, 4.0)])
+def test_a_blip_is_read_at_the_traffics_level_and_the_traffic_as_it_is(
+    rate: float, cv2: float
+) -> None:
+    """Gamma arrivals of the given burstiness for a minute keep (almost) every arrival: a second
+    over 5 standard deviations of its stretch's median is rare. Five seconds' worth of queries
+    inside the last second (a blip, read at the memory's end, where the stretch is the seconds
+    before it) is cut to within that bound, so the 32 s window reads the traffic's rate and
+    little more."""
+    rng = np.random.default_rng(11)
+    traffic = gamma_arrivals(rate, cv2, 60.0, rng)
+    kept = clip_short_bursts(traffic, 15.0, cv2)
+    assert kept.size >= traffic.size * 0.999
+    blip = 59.0 + np.sort(rng.uniform(0.0, 1.0, int(5 * rate)))
+    with_blip = np.sort(np.concatenate([traffic, blip]))
+    calm = clip_short_bursts(with_blip, 15.0, cv2)
+    # The blip's second straddles at most two bins (they start at the first arrival), each of
+    # which keeps at most 5 standard deviations over its stretch's median.
+    bound = 2 * 5.0 * math.sqrt(rate * max(cv2, 1.0))
+    assert calm.size - kept.size <= bound
+    dropped = np.setdiff1d(with_blip, calm)
+    assert dropped.size and dropped.min() >= 58.0  # from the blip's bins alone
+    read = arrival_envelope(calm, [32.0]).rate_qps[0]
+    assert read <= arrival_envelope(traffic, [32.0]).rate_qps[0] + bound / 32.0
+    assert read < arrival_envelope(with_blip, [32.0]).rate_qps[0] - rate / 32.0
+
+
+@pytest.mark.parametrize("shape", ["step", "spike"])
+def test_a_step_or_a_burst_that_lasts_is_not_clipped(shape: str) -> None:
+    """A doubling of the rate that stays (a step at 40 s) or lasts 10 s (over half the 15 s
+    stretch) is load: every arrival is kept."""
+    rng = np.random.default_rng(5)
+    base = gamma_arrivals(60.0, 1.0, 60.0, rng)
+    end = 60.0 if shape == "step" else 50.0
+    more = 40.0 + np.sort(rng.uniform(0.0, end - 40.0, int(60 * (end - 40.0))))
+    arrivals = np.sort(np.concatenate([base, more]))
+    assert clip_short_bursts(arrivals, 15.0, 1.0).size == arrivals.size
+
+
+def test_clipping_bad_arguments() -> None:
+    assert clip_short_bursts([], 15.0).size == 0
+    assert clip_short_bursts([1.0, 2.0], 15.0).tolist() == [1.0, 2.0]  # shorter than a stretch
+    with pytest.raises(TraceError):
+        clip_short_bursts([2.0, 1.0], 15.0)
+    for name, kwargs in (("persistence_s", {"persistence_s": 0.0}), ("z", {"z": -1.0})):
+        with pytest.raises(WorkloadError, match=name):
+            clip_short_bursts([1.0, 2.0, 3.0], **kwargs)  # type: ignore[arg-type]
