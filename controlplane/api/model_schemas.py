@@ -11,7 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.db.store import ModelVersionRecord
 
-__all__ = ["ModelListOut", "ModelOut", "ModelVersionOut", "TensorOut", "version_out"]
+__all__ = [
+    "ModelListOut",
+    "ModelOut",
+    "ModelPushOut",
+    "ModelVersionOut",
+    "TensorOut",
+    "version_out",
+]
 
 _RESPONSE = ConfigDict(frozen=True)
 
@@ -40,6 +47,15 @@ class ModelVersionOut(BaseModel):
     outputs: list[TensorOut]
     uri: str = Field(description="where the blob is: file:///... or s3://bucket/key")
     created_at: datetime
+
+
+class ModelPushOut(ModelVersionOut):
+    """A push's answer: the version, and whether this push made it."""
+
+    created: bool = Field(
+        description="false: the model's newest version holds these bytes, format, inputs and"
+        " outputs already and is answered (200) instead of a new one (201)"
+    )
 
 
 class ModelOut(BaseModel):

@@ -2,7 +2,7 @@
 
 - ``heteroplane model push NAME FILE [--format onnx|torchscript] [--inputs SPEC]``: upload the
   file (streamed) as the next version of ``NAME``; the service inspects it and answers the
-  version document;
+  version document (``unchanged``, not ``pushed``, when the newest version is that file);
 - ``heteroplane model list``: every version of every model;
 - ``heteroplane model show NAME[@VERSION]``: a model's versions, or one version.
 
@@ -98,7 +98,14 @@ def model_push(args: argparse.Namespace) -> int:
     query = {"format": args.format, "inputs": args.inputs}
     with client_from(args) as client, path.open("rb") as content:
         version = client.upload(_model_path(name), content, **query)
-    return emit(args.json, version, lambda: f"pushed {_version_line(version)}")
+    # An answer without "created" (a service from before it) made a version.
+    if version.get("created", True):
+        return emit(args.json, version, lambda: f"pushed {_version_line(version)}")
+    return emit(
+        args.json,
+        version,
+        lambda: f"unchanged {_version_line(version)} (its newest version holds this file already)",
+    )
 
 
 def model_list(args: argparse.Namespace) -> int:

@@ -1350,9 +1350,11 @@ def _model(subparsers: Subparsers) -> None:
         help="upload a model file as the next version of NAME",
         description="Upload FILE (streamed) to the service, which inspects it in a separate"
         " process (format, inputs and outputs), stores it and answers the new version: 1 for a"
-        " new name, then 2, 3, ... Refused with one line (exit 2): a name that is not a DNS"
-        " label, a file that is not an ONNX model or TorchScript archive, one over the"
-        " service's model_max_bytes, a model without a dynamic first (batch) dimension.",
+        " new name, then 2, 3, ...; a file the newest version holds already (the same bytes,"
+        " format, inputs and outputs) answers that version, 'unchanged'. Refused with one"
+        " line (exit 2): a name that is not a DNS label, a file that is not an ONNX model or"
+        " TorchScript archive, one over the service's model_max_bytes, a model without a"
+        " dynamic first (batch) dimension.",
     )
     push.add_argument("name", metavar="NAME", help="the model's name (a DNS label)")
     push.add_argument("file", type=Path, metavar="FILE", help="the .onnx or TorchScript file")

@@ -22,6 +22,7 @@ from controlplane.registry.inspection import (
     inspect_kept,
 )
 from controlplane.registry.registry import (
+    Pushed,
     Registry,
     artifact_key,
     check_model_name,
@@ -39,6 +40,7 @@ __all__ = [
     "Inspection",
     "Inspector",
     "LocalArtifactStorage",
+    "Pushed",
     "Registry",
     "S3ArtifactStorage",
     "SubprocessInspector",

@@ -1,6 +1,8 @@
 """The model registry: immutable, numbered versions of the models users bring.
 
-:meth:`Registry.push` takes a model file and makes it version N+1 of its name:
+:meth:`Registry.push` takes a model file and makes it version N+1 of its name, unless version
+N is that file already (the same SHA-256, format and signature: a push run twice), which it
+answers instead (:meth:`Registry.push_version` says which):
 
 1. the name is a DNS label (:data:`provisioners.artifacts.NAME_PATTERN`; it becomes part of
    URLs, S3 keys and file names), the format ``onnx``, ``torchscript`` or None (detected), the
@@ -15,7 +17,8 @@
 Nothing half-written stays: a failure after the blob was stored deletes it, and the row goes in
 last, so there is never a row without its blob. Two concurrent pushes of one name may pick the
 same version; the database's unique (name, version) lets one insert win, and the other deletes
-its blob and tries once more with the next number (then it is a 409 to retry).
+its blob and tries once more with the next number (then it is a 409 to retry), or answers
+the winner's version when that is the same file.
 
 A crash leaves no more: an upload is staged in ``<staging_dir>/upload-*`` (:meth:`Registry.
 staged_file`), ``flock``-ed by the process that writes it and removed however the push ends;
@@ -35,6 +38,7 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import ModelVersionRecord, Store
@@ -44,6 +48,7 @@ from controlplane.errors import (
     ModelNameError,
     ModelRejectedError,
     ModelTooLargeError,
+    NotFoundError,
 )
 from controlplane.provisioning import build_provisioner
 from controlplane.registry.inspection import (
@@ -61,6 +66,7 @@ from provisioners.worker.inspect import InspectError, parse_inputs_spec
 __all__ = [
     "REGISTRY_DIR",
     "STAGING_PREFIX",
+    "Pushed",
     "Registry",
     "artifact_key",
     "check_model_name",
@@ -121,6 +127,14 @@ def artifact_key(name: str, version: int, sha256: str, format: str) -> str:
     True
     """
     return f"{name}/{version}/{sha256}.{_SUFFIX[format]}"
+
+
+class Pushed(NamedTuple):
+    """What a push answered: the version and whether the push made it (False: the name's newest
+    version holds those very bytes, format and signature already, and is answered instead)."""
+
+    record: ModelVersionRecord
+    created: bool
 
 
 class Registry:
@@ -193,7 +207,21 @@ class Registry:
         inputs_spec: str | None = None,
     ) -> ModelVersionRecord:
         """Make the file at ``source_path`` the next version of ``name`` (the module docstring
-        says how). The source is only read; the caller keeps (or removes) it."""
+        says how), or answer the newest version when it is the same (:meth:`push_version`)."""
+        return self.push_version(name, source_path, format, inputs_spec).record
+
+    def push_version(
+        self,
+        name: str,
+        source_path: Path,
+        format: str | None = None,
+        inputs_spec: str | None = None,
+    ) -> Pushed:
+        """:meth:`push`, saying whether it made a version: the file is not stored again when
+        the name's newest version has its SHA-256, format and signature (inputs and outputs),
+        so a push run twice answers the version the first made (which an app may serve: a new
+        version of the same bytes would be a change only a rollout makes). The source is only
+        read; the caller keeps (or removes) it."""
         self.check_push(name, format, inputs_spec)
         source = Path(source_path)
         try:
@@ -216,6 +244,10 @@ class Registry:
         inspection = inspect_kept(self.inspector, source, sha256, format, inputs_spec)
         _check_batched(inspection)
         for attempt in range(_PUSH_ATTEMPTS):
+            # Again after a lost race: the winner may have pushed these very bytes.
+            same = self._newest_if_same(name, sha256, inspection)
+            if same is not None:
+                return Pushed(same, created=False)
             version = self.store.next_model_version(name)
             key = artifact_key(name, version, sha256, inspection.format)
             uri = self.storage.put(source, key)
@@ -231,7 +263,7 @@ class Registry:
                     uri,
                 )
                 crash_point("model_push.after_row")
-                return record
+                return Pushed(record, created=True)
             except ConflictError:
                 self._forget(name, version, uri)
                 if attempt + 1 == _PUSH_ATTEMPTS:
@@ -240,6 +272,21 @@ class Registry:
                 self._forget(name, version, uri)
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _newest_if_same(
+        self, name: str, sha256: str, inspection: Inspection
+    ) -> ModelVersionRecord | None:
+        """The newest version of ``name`` when it has these bytes, format and signature."""
+        try:
+            newest = self.store.get_model_version(name)
+        except NotFoundError:
+            return None
+        same = (
+            newest.sha256 == sha256
+            and newest.format == inspection.format
+            and newest.signature.to_json() == inspection.signature.to_json()
+        )
+        return newest if same else None
 
     def _forget(self, name: str, version: int, uri: str) -> None:
         """Delete a blob whose row was not inserted, unless the version that did get in is

@@ -297,20 +297,22 @@ def test_a_cascade_demo_of_another_shape_is_replaced_with_its_budget_kept(
 
 def test_a_start_keeps_what_a_rollout_pinned_and_adds_no_plan(service: Service) -> None:
     """A start moved the app to the newest version holding the family's bytes (a user pushed
-    the same file again) and replaced the spec a promoted rollout had written (its pin, its
-    validation records) and its plan, outside any rollout (a tester)."""
+    the same file again, after another) and replaced the spec a promoted rollout had written
+    (its pin, its validation records) and its plan, outside any rollout (a tester)."""
     from provisioners.worker import family as fam
 
     first = prepare_demo(service, 12.0, lambda _: None, profile_samples=SAMPLES)
     registry = service.app.state.services.registry
-    again_pushed = registry.push("tiny", fam.export_torchscript("tiny", first.family.cache_dir),
-                                 "torchscript")  # fmt: skip
-    assert again_pushed.version == 2
+    cache_dir = first.family.cache_dir
+    # The newest version's own file again makes none: another file first.
+    registry.push("tiny", fam.export_torchscript("small", cache_dir), "torchscript")
+    again_pushed = registry.push("tiny", fam.export_torchscript("tiny", cache_dir), "torchscript")
+    assert again_pushed.version == 3
     tiny = [m["artifact"] for m in first.app.spec["models"] if m["name"] == "tiny"]
-    if tiny:  # the cascade serves tiny: a rollout to the second push promoted
+    if tiny:  # the cascade serves tiny: a rollout to the third push promoted
         promoted = first.app.spec | {
             "models": [
-                m | {"artifact": "tiny@2"} if m["name"] == "tiny" else m
+                m | {"artifact": "tiny@3"} if m["name"] == "tiny" else m
                 for m in first.app.spec["models"]
             ],
             "validation": str(service.settings.data_dir / "rollouts" / "demo-tiny-1.json"),

@@ -347,15 +347,67 @@ def test_a_lost_race_retries_once_with_the_next_version(
 def test_the_same_file_racing_for_one_version_keeps_the_winners_blob(
     registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Another push of the same file takes version 1 after this one found no version and chose
+    1: this one keeps the winner's blob (the same key) and answers the winner's version."""
     store = registry.store
     real_next = store.next_model_version
     same = model_file(tmp_path, b"same bytes")
-    monkeypatch.setattr(store, "next_model_version", lambda name: 1)
-    first = registry.push("wine", same)
-    with pytest.raises(ConflictError):
-        registry.push("wine", same)
-    monkeypatch.setattr(store, "next_model_version", real_next)
-    assert b"".join(registry.open(first)) == b"same bytes"
+    won: list[ModelVersionRecord] = []
+
+    def overtaken(name: str) -> int:
+        number = real_next(name)
+        if not won:
+            monkeypatch.setattr(store, "next_model_version", real_next)
+            won.append(registry.push(name, same))
+        return number
+
+    monkeypatch.setattr(store, "next_model_version", overtaken)
+    answer = registry.push_version("wine", same)
+    assert answer == (won[0], False) and won[0].version == 1
+    assert [v.version for v in store.list_model_versions("wine")] == [1]
+    assert b"".join(registry.open(won[0])) == b"same bytes"
+    assert len(blobs(tmp_path / "data" / "registry")) == 1
+
+
+def test_a_push_of_the_newest_versions_file_answers_that_version(
+    store: Store, tmp_path: Path
+) -> None:
+    """The README's own-model block run twice pushed the same wine.onnx as version 2, and its
+    `app apply` of `artifact: wine` was refused (a live app changes version by a rollout). The
+    newest version's file, format and signature again are that version; anything else is a new
+    one, the same file after another version too."""
+
+    def inspect(
+        path: Path, format: str | None = None, inputs_spec: str | None = None
+    ) -> Inspection:
+        if inputs_spec is None:
+            return Inspection(format or "onnx", SIGNATURE)
+        # Another inputs spec of the same TorchScript archive: another signature.
+        wide = ModelSignature((TensorSpec("input", "FP32", (-1, 8)),), SIGNATURE.outputs)
+        return Inspection("torchscript", wide)
+
+    root = tmp_path / "registry"
+    registry = Registry(store, LocalArtifactStorage(root), staging_dir=root, inspector=inspect)
+    wine = model_file(tmp_path, b"wine bytes")
+    first = registry.push_version("wine", wine)
+    assert first.created and first.record.version == 1
+    again = registry.push_version("wine", model_file(tmp_path, b"wine bytes", "copy.onnx"))
+    assert again == (first.record, False)
+    assert registry.push("wine", wine, "onnx") == first.record
+    assert [v.version for v in store.list_model_versions("wine")] == [1]
+    assert len(blobs(root)) == 1
+    # Another format, other inputs, other bytes: new versions; then the first file again is
+    # one too, its newest version being another file.
+    assert registry.push_version("wine", wine, "torchscript") == (registry.resolve("wine"), True)
+    inputs = registry.push_version("wine", wine, "torchscript", "input:FP32:-1x8")
+    assert inputs.created and inputs.record.version == 3
+    assert registry.push_version("wine", wine, "torchscript", "input:FP32:-1x8").created is False
+    other = registry.push_version("wine", model_file(tmp_path, b"other bytes", "other.onnx"))
+    assert other.created and other.record.version == 4
+    back = registry.push_version("wine", wine)
+    assert back.created and back.record.version == 5
+    # Under another name the same file is that name's first version.
+    assert registry.push_version("beer", wine) == (registry.resolve("beer@1"), True)
 
 
 def test_concurrent_pushes_get_distinct_versions(registry: Registry, tmp_path: Path) -> None:
@@ -739,6 +791,7 @@ def test_api_push_list_show_download(api: Api) -> None:
     assert version["size_bytes"] == len(content)
     assert version["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
     assert version["uri"].startswith("file:///") and version["uri"].endswith(".onnx")
+    assert version["created"] is True
     again = api.call("POST", "/v1/models/wine", content=b"second")
     assert again.status_code == 201 and again.json()["version"] == 2
 
@@ -751,12 +804,27 @@ def test_api_push_list_show_download(api: Api) -> None:
     model = api.call("GET", "/v1/models/wine", "viewer").json()
     assert model["name"] == "wine" and [v["version"] for v in model["versions"]] == [1, 2]
     one = api.call("GET", "/v1/models/wine/versions/1", "viewer")
-    assert one.status_code == 200 and one.json() == version
+    assert one.status_code == 200 and one.json() | {"created": True} == version
     artifact = api.call("GET", "/v1/models/wine/versions/1/artifact", "viewer")
     assert artifact.status_code == 200
     assert artifact.headers["content-type"] == "application/octet-stream"
     assert artifact.content == content
     assert api.store.get_model_version("wine").version == 2
+
+
+def test_api_push_of_the_newest_versions_file_answers_it_with_200(api: Api) -> None:
+    """A push run twice (the README's own-model block) answers the version the first made:
+    200, ``created`` false, no new version, no new blob."""
+    first = api.call("POST", "/v1/models/wine", content=b"wine bytes")
+    assert first.status_code == 201 and first.json()["created"] is True
+    again = api.call("POST", "/v1/models/wine?format=onnx", content=b"wine bytes")
+    assert again.status_code == 200, again.text
+    assert again.json() == {**first.json(), "created": False}
+    assert [v.version for v in api.store.list_model_versions("wine")] == [1]
+    assert len(blobs(api.data_dir / "registry" / "models")) == 1
+    other = api.call("POST", "/v1/models/wine", content=b"other bytes")
+    assert other.status_code == 201 and other.json()["version"] == 2
+    assert other.json()["created"] is True
 
 
 def test_api_refusals_are_one_line_4xx(api: Api) -> None:
@@ -811,7 +879,7 @@ def test_openapi_documents_the_routes(api: Api) -> None:
     document = api.client.get("/openapi.json").json()
     push = document["paths"]["/v1/models/{name}"]["post"]
     assert "application/octet-stream" in push["requestBody"]["content"]
-    assert {"201", "400", "413", "422"} <= set(push["responses"])
+    assert {"200", "201", "400", "413", "422"} <= set(push["responses"])
     artifact = document["paths"]["/v1/models/{name}/versions/{version}/artifact"]["get"]
     assert "application/octet-stream" in artifact["responses"]["200"]["content"]
 

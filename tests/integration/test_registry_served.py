@@ -56,7 +56,14 @@ def test_push_list_show_download(
     assert version["sha256"] == hashlib.sha256(model.read_bytes()).hexdigest()
     assert version["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
 
+    # The same file again (the README's own-model block run twice): its version, no new one.
     status, out, _ = cli(capsys, "model", "push", "wine", str(model))
+    assert status == 0 and out.startswith("unchanged wine@1: onnx,")
+    assert "its newest version holds this file already" in out
+    status, out, _ = cli(capsys, "model", "push", "wine", str(model), "--json")
+    assert status == 0 and json.loads(out) == {**version, "created": False}
+    other = onnx_model(tmp_path / "other.onnx", batch="n")  # other bytes, the same signature
+    status, out, _ = cli(capsys, "model", "push", "wine", str(other))
     assert status == 0 and out.startswith("pushed wine@2: onnx,")
     status, out, _ = cli(capsys, "model", "list")
     assert status == 0 and [line.split()[:2] for line in out.splitlines()[1:]] == [
@@ -64,7 +71,7 @@ def test_push_list_show_download(
         ["wine", "2"],
     ]
     status, out, _ = cli(capsys, "model", "show", "wine@1", "--json")
-    assert status == 0 and json.loads(out) == version
+    assert status == 0 and json.loads(out) | {"created": True} == version
 
     token = httpx.Headers({"Authorization": f"Bearer {create_token(data_dir, 'viewer', 'v')}"})
     artifact = httpx.get(f"{server.url}/v1/models/wine/versions/1/artifact", headers=token)

@@ -35,7 +35,7 @@ from tests.integration.test_replicas import (
     token,
     wait_for,
 )
-from tests.integration.test_rollouts_local import APP, TYPE, Client
+from tests.integration.test_rollouts_local import APP, TYPE, Client, _same_weights
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
@@ -61,8 +61,8 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
         leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
         headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
         api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
-        for _ in range(2):
-            pushed = api.post(f"/v1/models/{MODEL}?format=onnx", content=model.read_bytes())
+        for path in (model, _same_weights(model)):
+            pushed = api.post(f"/v1/models/{MODEL}?format=onnx", content=path.read_bytes())
             assert pushed.status_code == 201, pushed.text
         spec = {
             "name": APP,

@@ -6,7 +6,7 @@ all along with its own request ids; every one of them must be answered (200).
 The model is the bag-of-tokens ONNX classifier of ``benchmarks/bad_queries.py`` (version 1),
 served by one ``emu.cpu.large`` worker. Then, one after the other:
 
-- **a good version** (the same weights pushed again, version 2) goes through 50 % and 100 %
+- **a good version** (the same weights saved again, version 2) goes through 50 % and 100 %
   and is promoted: the app's spec names version 2, the old worker is handed over (ended, and
   a new one started by the reconciler with version 2), the rollout's worker ends;
 - **a wrong one** (version 3: the output layer's weights and bias negated, so its argmax is the
@@ -95,6 +95,16 @@ def _padded(model: Path, layers: int = PAD_LAYERS, size: int = PAD_SIZE) -> Path
     graph.node.extend(nodes)
     onnx.checker.check_model(proto)
     path = model.with_name("tokens-slow.onnx")
+    onnx.save(proto, str(path))
+    return path
+
+
+def _same_weights(model: Path) -> Path:
+    """The model saved again with a doc string: the same answers from other bytes (a push of
+    the newest version's very file answers that version and makes none)."""
+    proto = onnx.load(str(model))
+    proto.doc_string = "the same weights, exported again"
+    path = model.with_name("tokens-again.onnx")
     onnx.save(proto, str(path))
     return path
 
@@ -197,7 +207,7 @@ def test_promote_roll_back_on_latency_and_on_agreement_in_shadow(
     with ApiServer(service) as url:
         monkeypatch.setenv("HETEROPLANE_URL", url)
         monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
-        for path in (model, model, _wrong(model), _padded(model)):
+        for path in (model, _same_weights(model), _wrong(model), _padded(model)):
             _cli(capsys, "model", "push", MODEL, str(path))
         store = service.store
         # Batch sizes 1 and 4 only: the start's profile run times the padded version at each.
@@ -407,7 +417,7 @@ def test_a_restart_mid_rollout_resumes_where_it_was(
         with ApiServer(first) as url:
             monkeypatch.setenv("HETEROPLANE_URL", url)
             monkeypatch.setenv("HETEROPLANE_TOKEN", admin)
-            for path in (model, model):
+            for path in (model, _same_weights(model)):
                 _cli(capsys, "model", "push", MODEL, str(path))
             _serve(first, [MODEL], profile_file(tmp_path))
             client = Client(url, infer)

@@ -6,21 +6,29 @@ any content type is read as bytes). The body is streamed to a file in the data d
 ``model_max_bytes`` enforced as it arrives (a declared ``Content-Length`` over it is refused
 before a byte is read), so the API's 1 MiB body limit does not apply to it
 (:func:`streams_own_body`); then the registry inspects it, hashes it, stores the blob and
-inserts the row, off the event loop. The staged file is removed whatever happens.
+inserts the row (201), off the event loop, or answers the model's newest version when that
+is the same file, format and signature (200, ``created`` false: a push run twice). The staged
+file is removed whatever happens.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Scope
 
 from controlplane.api.deps import Operator, Services, ServicesDep, Viewer
 from controlplane.api.errors import ApiError
-from controlplane.api.model_schemas import ModelListOut, ModelOut, ModelVersionOut, version_out
+from controlplane.api.model_schemas import (
+    ModelListOut,
+    ModelOut,
+    ModelPushOut,
+    ModelVersionOut,
+    version_out,
+)
 from controlplane.api.routes import errors
 from controlplane.crashpoints import crash_point
 from controlplane.errors import ModelTooLargeError, NotFoundError
@@ -74,11 +82,19 @@ def _registry(services: Services) -> Registry:
     status_code=201,
     summary="Push a new version of a model (operator): the body is the artifact's bytes",
     openapi_extra=_ARTIFACT_BODY,
-    responses=errors(400, 401, 403, 409, 413, 422, 503),
+    responses={
+        200: {
+            "description": "the model's newest version, which holds these bytes, format, inputs"
+            " and outputs already (`created`: false)",
+            "model": ModelPushOut,
+        },
+        **errors(400, 401, 403, 409, 413, 422, 503),
+    },
 )
 async def push_model(
     name: ModelName,
     request: Request,
+    response: Response,
     services: ServicesDep,
     _who: Operator,
     format: Annotated[
@@ -93,7 +109,7 @@ async def push_model(
             description="a TorchScript model's inputs: name:FP32:-1x13[,name:...]",
         ),
     ] = None,
-) -> ModelVersionOut:
+) -> ModelPushOut:
     registry = _registry(services)
     registry.check_push(name, format, inputs)
     declared = request.headers.get("content-length")
@@ -111,8 +127,11 @@ async def push_model(
                     raise ModelTooLargeError(registry.max_bytes)
                 handle.write(chunk)
                 crash_point("model_push.mid_upload")
-        record = await run_in_threadpool(registry.push, name, path, format, inputs)
-    return version_out(record)
+        pushed = await run_in_threadpool(registry.push_version, name, path, format, inputs)
+    if not pushed.created:
+        response.status_code = 200
+    document = version_out(pushed.record).model_dump()
+    return ModelPushOut(**document, created=pushed.created)
 
 
 @router.get(
