@@ -118,6 +118,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_HEARTBEAT_S",
     "DEFAULT_SAMPLES",
+    "LOCAL_PROVISIONERS",
     "PROFILE_RUN_TAG",
     "RUN_GONE_BEATS",
     "ProfileRunCheck",
@@ -153,6 +154,9 @@ DEFAULT_HEARTBEAT_S = 10.0
 # The largest batch a run sends a worker, bytes: the setting oip_body_max_bytes's default (the
 # service passes its own), the most a worker's inference body may be.
 DEFAULT_MAX_BATCH_BYTES = 64 << 20
+# Provisioners whose workers are processes on the service's machine (seconds to start), not
+# instances that boot (minutes): what ``heteroplane profile run`` tells its user to expect.
+LOCAL_PROVISIONERS = frozenset({"local", "fake"})
 # A run whose rows went untouched for this many heartbeats is gone (its replica crashed): the
 # reconciler reaps its workers then (its PROFILE_RUN_MISSED_BEATS is this).
 RUN_GONE_BEATS = 4
@@ -282,12 +286,16 @@ class ProfileRunRequest:
 @dataclass(frozen=True, slots=True)
 class ProfileRunCheck:
     """A run the service would take (:func:`check_profile_run`): the models and types it would
-    measure and its workers' cost."""
+    measure, its workers' cost, the calls each worker answers in turn (warm-up and timed, every
+    model at every batch size) and whether its workers are processes on the service's machine
+    (``local_workers``: they start in seconds; an EC2 instance boots for minutes)."""
 
     app: str
     models: tuple[str, ...]
     instance_types: tuple[str, ...]
     cost_usd_per_hr: float
+    calls_per_worker: int = 0
+    local_workers: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -296,6 +304,8 @@ class ProfileRunCheck:
             "models": list(self.models),
             "instance_types": list(self.instance_types),
             "cost_usd_per_hr": self.cost_usd_per_hr,
+            "calls_per_worker": self.calls_per_worker,
+            "local_workers": self.local_workers,
         }
 
 
@@ -541,7 +551,7 @@ def check_profile_run(
     """What :func:`run_profile` would measure and what its workers would cost, with every check
     it makes before a worker starts (the request, the batches' size, another run in progress,
     the budget next to the fleet), launching nothing and recording nothing: a client asks
-    first, so that it says "this takes minutes" only for a run the service takes. ``clock``
+    first, so that it says how long a run takes only of a run the service takes. ``clock``
     (default the system's) and ``heartbeat_s`` tell a run in progress from one that is gone.
 
     Raises what :func:`run_profile` raises before it launches.
@@ -552,7 +562,9 @@ def check_profile_run(
     models, types = _checked_request(resolved, app, request, None, max_batch_bytes)
     _refuse_a_second_run(store, app, (clock or SystemClock()).utcnow(), heartbeat_s)
     workers = _check_workers_fit(store, provisioner, record, resolved.prices_usd_per_hr, types)
-    return ProfileRunCheck(app, models, types, workers)
+    calls = len(request.batch_sizes) * (request.warmup + request.samples) * len(models)
+    local = provisioner.name in LOCAL_PROVISIONERS
+    return ProfileRunCheck(app, models, types, workers, calls, local)
 
 
 def _checked_request(

@@ -968,8 +968,10 @@ def _profile(subparsers: Subparsers) -> None:
         " candidate type of the app (or --types) with the app's registered models, time Open"
         " Inference Protocol batches of random inputs matching each model's signature at each"
         " batch size through them, store the profiles for the planner and stop the workers."
-        " The workers must fit the app's budget next to its fleet. Takes minutes: the request"
-        " waits up to --timeout (default an hour).",
+        " The workers must fit the app's budget next to its fleet. EC2 instances take minutes"
+        " to boot, the local provisioner's workers seconds to start; the line printed first"
+        " says which and how many calls each worker answers. The request waits up to"
+        " --timeout (default an hour).",
     )
     _app_option(run)
     run.add_argument("--types", metavar="T1,T2,...", help="types (default: every candidate)")

@@ -3,8 +3,10 @@
 A client command (``POST /v1/apps/{app}/profiles``): the service launches one worker per
 candidate type (or ``--types``) with the app's artifacts, times OIP v2 batches of random inputs
 through them, stores the profiles and stops the workers (:mod:`controlplane.apps.profile_run`).
-That takes minutes, so the request waits up to ``--timeout`` (default an hour, not the other
-commands' five minutes); the summary is the mean latency per model, type and batch size.
+On EC2 that takes minutes (the instances boot), so the request waits up to ``--timeout``
+(default an hour, not the other commands' five minutes); the local provisioner's workers start
+in seconds. The line printed before the run says which, and how many calls each worker answers
+(the service's check says so); the summary is the mean latency per model, type and batch size.
 """
 
 from __future__ import annotations
@@ -60,15 +62,29 @@ def run_profile_run(args: argparse.Namespace) -> int:
         args.timeout = DEFAULT_RUN_TIMEOUT_S
     with client_from(args) as client:
         # The service checks the request first (the types, the batches' size, the budget), so
-        # that a run it refuses is refused before the line that says it takes minutes.
+        # that a run it refuses is refused before the line that says how long it takes.
         checked = client.post(app_path(args.app, "profiles") + "?check=true", body)
-        progress(
-            f"profiling {args.app} ({', '.join(checked['models'])}) on"
-            f" {', '.join(checked['instance_types'])}: the service starts one worker per type"
-            f" ({checked['cost_usd_per_hr']:.4g} USD/hr); this takes minutes"
-        )
+        progress(_progress_line(args.app, checked))
         result = client.post(app_path(args.app, "profiles"), body)
     return emit(args.json, result, lambda: _summary(result))
+
+
+def _progress_line(app: str, checked: dict[str, Any]) -> str:
+    """What the run will do and how long it takes: local workers (processes on the service's
+    machine) start in seconds, EC2 instances boot for minutes; then each answers its calls."""
+    head = (
+        f"profiling {app} ({', '.join(checked['models'])}) on"
+        f" {', '.join(checked['instance_types'])}: the service starts one worker per type"
+        f" ({checked['cost_usd_per_hr']:.4g} USD/hr)"
+    )
+    calls = checked.get("calls_per_worker")
+    if calls is None:  # a service from before the check said more
+        return f"{head}; this can take minutes"
+    if checked.get("local_workers"):
+        start = "processes on the service's machine that start in seconds"
+    else:
+        start = "instances that take minutes to boot"
+    return f"{head}, {start}, and times {calls:,} calls through each"
 
 
 def _summary(result: dict[str, Any]) -> str:

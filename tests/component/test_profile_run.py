@@ -585,6 +585,10 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
             "models": ["small"],
             "instance_types": [SMALL],
             "cost_usd_per_hr": price,
+            # 2 batch sizes x (5 warm-up + 20 timed) rounds x 1 model; the fake's workers are
+            # no instances that boot.
+            "calls_per_worker": 50,
+            "local_workers": True,
         }
         bad = client.post(
             f"/v1/apps/{APP}/profiles?check=true", json={"types": [GPU]}, headers=auth
@@ -856,6 +860,21 @@ def test_a_batch_the_current_profile_says_outlasts_a_call_is_refused_before_any_
     check_profile_run(
         world.store, world.resolver, world.provisioner, APP, ProfileRunRequest(batch_sizes=(1024,))
     )
+
+
+def test_a_check_says_how_many_calls_each_worker_answers_and_whether_it_boots(
+    world: World,
+) -> None:
+    """``profile run`` said "this takes minutes" of a run of seconds on the local provisioner:
+    the check says whether the workers are local processes and how many calls each answers."""
+    register(world, spec(types=(SMALL,)))
+    request = ProfileRunRequest(batch_sizes=(1, 4, 16), samples=3, warmup=1)
+    local = check_profile_run(world.store, world.resolver, world.provisioner, APP, request)
+    assert (local.calls_per_worker, local.local_workers) == (3 * (1 + 3), True)
+    world.provisioner.name = "ec2"
+    booted = check_profile_run(world.store, world.resolver, world.provisioner, APP, request)
+    assert (booted.calls_per_worker, booted.local_workers) == (12, False)
+    assert booted.to_json()["local_workers"] is False
 
 
 def test_the_api_answers_a_second_run_409_naming_the_one_in_progress(world: World) -> None:

@@ -37,6 +37,8 @@ CHECKED = {
     "models": ["small"],
     "instance_types": ["emu.cpu.small", "emu.cpu.large"],
     "cost_usd_per_hr": 0.15,
+    "calls_per_worker": 50,
+    "local_workers": True,
 }
 
 
@@ -90,7 +92,11 @@ def test_profile_run_posts_the_request_and_prints_a_summary(
     captured = capsys.readouterr()
     assert "profiles of digits stored" in captured.out and "7" in captured.out
     assert "profiling digits (small) on emu.cpu.small" in captured.err
-    assert "takes minutes" in captured.err
+    assert captured.err.splitlines()[0].endswith(
+        " (0.15 USD/hr), processes on the service's machine that start in seconds, and times"
+        " 50 calls through each"
+    )
+    assert "minutes" not in captured.err
     assert main(["profile", "run", "--app", "digits", "--json", "--timeout", "9"]) == 0
     assert json.loads(capsys.readouterr().out) == RESULT
     assert made[-1].timeout == 9
@@ -107,8 +113,30 @@ def test_a_request_the_service_refuses_says_so_before_any_progress_line(
         main(["profile", "run", "--app", "digits", "--samples", "999"])
     err = capsys.readouterr().err
     assert stop.value.code == 2
-    assert "refused" in err and "takes minutes" not in err
+    assert "refused" in err and "profiling" not in err
     assert [path for path, _ in made[-1].sent] == ["/v1/apps/digits/profiles?check=true"]
+
+
+@pytest.mark.parametrize(
+    ("checked", "said"),
+    [
+        (
+            {"calls_per_worker": 1250, "local_workers": False},
+            ", instances that take minutes to boot, and times 1,250 calls through each",
+        ),
+        ({}, "; this can take minutes"),  # a service whose check says neither
+    ],
+)
+def test_the_line_before_a_run_says_how_its_workers_start(
+    checked: dict[str, Any], said: str
+) -> None:
+    """It said "this takes minutes" of a run of a second or two on the local provisioner."""
+    base = {k: v for k, v in CHECKED.items() if k not in ("calls_per_worker", "local_workers")}
+    line = profile_run._progress_line("digits", {**base, **checked})
+    assert line == (
+        "profiling digits (small) on emu.cpu.small, emu.cpu.large: the service starts one"
+        f" worker per type (0.15 USD/hr){said}"
+    )
 
 
 @pytest.mark.parametrize(
