@@ -186,8 +186,13 @@ def until(what: str, service: Service, check: Callable[[], Any], deadline_s: flo
 
 
 def push(service: Service, model_file: Path) -> None:
+    """A push; run again after a crash that left the version in, it answers that one (200)."""
     call(
-        service, "POST", f"/v1/models/{MODEL}?format=onnx", (201,), content=model_file.read_bytes()
+        service,
+        "POST",
+        f"/v1/models/{MODEL}?format=onnx",
+        (200, 201),
+        content=model_file.read_bytes(),
     )
 
 
@@ -221,7 +226,7 @@ def plan_apply(service: Service) -> None:
 
 
 def rollout(service: Service, model_file: Path) -> None:
-    """Version 2 of the model (the same file pushed again) moves into the app: a rollout of two
+    """Version 2 of the model (the same weights saved again) moves into the app: a rollout of two
     steps (50 %, 100 %) judged on a few queries each, promoted, and handed over (its workers
     gone). Run again after a crash it carries on the rollout the database holds (a new leader's
     loop resumes it) rather than start another."""
@@ -237,7 +242,8 @@ def rollout(service: Service, model_file: Path) -> None:
     pinned = spec["models"][0]["artifact"] == f"{MODEL}@2"
     if not pinned and (current is None or current["state"] not in ROLLOUT_ACTIVE):
         if len(call(service, "GET", f"/v1/models/{MODEL}", (200,))["versions"]) < 2:
-            push(service, model_file)
+            again = model_file.with_name(f"{model_file.stem}-2.onnx")
+            push(service, family_onnx(again, doc_string="version 2"))
         body = {
             "model": f"{MODEL}@2",
             "steps": [0.5, 1.0],

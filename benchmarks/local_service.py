@@ -99,8 +99,10 @@ def prepare_data_dir(
     return path
 
 
-def family_onnx(path: Path) -> Path:
-    """input FP32 [n, 64] -> logits FP32 [n, 10], a fixed linear map (the family's signature)."""
+def family_onnx(path: Path, doc_string: str = "") -> Path:
+    """input FP32 [n, 64] -> logits FP32 [n, 10], a fixed linear map (the family's signature);
+    another ``doc_string`` makes other bytes of the same model (a push of the newest version's
+    own file makes no new version)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -114,6 +116,7 @@ def family_onnx(path: Path) -> Path:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
+    model.doc_string = doc_string
     onnx.save(model, path)
     return path
 
