@@ -1605,7 +1605,18 @@ class _Reading:
     load_why: str
 
     @classmethod
-    def of(cls, live: np.ndarray, windows_s: Sequence[float], planned: Sequence[float]) -> _Reading:
+    def of(
+        cls,
+        live: np.ndarray,
+        windows_s: Sequence[float],
+        planned: Sequence[float],
+        watched_s: float = math.inf,
+    ) -> _Reading:
+        """The reading of ``live`` against ``planned``. The sustained load is the longest
+        window's that the arrivals have been watched for (``watched_s``; the shortest window
+        when none): a window longer than that holds fewer arrivals than its length would (a
+        trace's or a restart's first seconds read a minute's window at a fraction of the load,
+        and the headroom f_live / f_sustained then bought a stage as for a burst)."""
         exceeding = [i for i in range(len(planned)) if live[i] > planned[i]]
         r_max = 0.0
         exceed_why = ""
@@ -1620,11 +1631,14 @@ class _Reading:
         loads = equivalent_loads(live, windows_s, planned)
         f_top = int(np.argmax(loads))
         f_live = float(loads[f_top])
-        f_sustained = float(loads[-1])
+        longest = max(
+            (i for i, w in enumerate(windows_s) if w <= watched_s * (1.0 + 1e-9)), default=0
+        )
+        f_sustained = float(loads[longest])
         load_why = (
             f"load x{f_live:.4g} of the planned envelope (window {windows_s[f_top]:g} s: "
             f"{live[f_top]:.6g} qps vs planned {planned[f_top]:.6g} qps), sustained load "
-            f"x{f_sustained:.4g} (window {windows_s[-1]:g} s)"
+            f"x{f_sustained:.4g} (window {windows_s[longest]:g} s)"
         )
         return cls(
             float(live.max()),
@@ -1911,6 +1925,12 @@ def tune(
         lo, hi = np.searchsorted(arrivals, [now - config.recent_s, now], side="right")
         arrivals = arrivals[lo:hi]
     full = arrival_envelope(arrivals, config.windows_s).rate_qps
+    # How long the arrivals have been watched: since the tuner started, or since the earliest
+    # arrival its memory holds where that is older (a restarted loops process is fed the
+    # serving process's kept arrivals).
+    watched_s = math.inf if state.started_s is None else now - state.started_s
+    if arrivals.ndim == 1 and arrivals.size:
+        watched_s = max(watched_s, now - float(arrivals[0]))
     # Scale-up reads the envelope without a single short burst (one that will be over before
     # an instance boots buys nothing), scale-down the whole one (capacity stays while a burst is
     # in memory): the band between the two readings is the tuner's hysteresis.
@@ -1923,7 +1943,7 @@ def tune(
 
     def reading_down(planned: tuple[float, ...]) -> _Reading:
         if planned not in downs:
-            downs[planned] = _Reading.of(full, config.windows_s, planned)
+            downs[planned] = _Reading.of(full, config.windows_s, planned, watched_s)
         return downs[planned]
 
     def reading_up(planned: tuple[float, ...]) -> _Reading:
@@ -1939,7 +1959,7 @@ def tune(
             live = without_burst[0]
             if untested.any():  # a young memory: no burst the test cannot yet take out is load
                 live = np.where(untested, np.minimum(live, planned), live)
-            ups[planned] = _Reading.of(live, config.windows_s, planned)
+            ups[planned] = _Reading.of(live, config.windows_s, planned, watched_s)
         return ups[planned]
 
     def burstiness() -> tuple[float, int]:

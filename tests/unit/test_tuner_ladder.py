@@ -227,6 +227,29 @@ def test_a_blip_in_a_minutes_memory_buys_nothing_at_the_windows_the_test_cannot_
     assert any(d.action == "scale_up" for d in decisions)
 
 
+def test_the_sustained_load_is_read_on_the_longest_window_the_arrivals_fill() -> None:
+    """A trace's first seconds (or a restart's): 10 s of arrivals at 33 qps against a plan of
+    32, on a capacity curve with headroom at low load (a rung at 0.2x keeps half the plan). The
+    minute's window held 10 s of arrivals, read as a sustained load of x0.17, and the curve's
+    need, C*(f_sustained) f_live / f_sustained, bought the stage as for a burst over a sixth of
+    the load (106 qps, 2.5x the plan's capacity). The 8 s window is the longest the arrivals
+    fill: the need is the load's own."""
+    windows = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+    cfg = dataclasses.replace(
+        config(), windows_s=windows, planned_rate_qps=(PLANNED_QPS,) * len(windows)
+    )
+    # The capacity curve's own model (no ladder: the need is capacity_for_loads_qps's).
+    plan = TunerStage(
+        "m", 1.0, {"cpu": 4}, MU, 1.0, capacity_curve=((0.2, 0.5), (1.0, 1.0), (2.0, 1.8))
+    )
+    arrivals = np.arange(330) / 33.0
+    decisions, _ = tune(arrivals, 10.0, initial_state([plan], now_s=0.0), [plan], cfg)
+    (up,) = [d for d in decisions if d.action == "scale_up"]
+    assert "sustained load x1.035 (window 8 s)" in up.reason, up.reason
+    need = re.search(r"the planner's capacity at that load ([0-9.]+) qps", up.reason)
+    assert need is not None and float(need.group(1)) <= 1.1 * 40.0 * 1.063, up.reason
+
+
 @pytest.mark.parametrize("backlog_s", [1.0, 8.0])
 def test_a_young_memory_restoring_the_plan_says_so_not_the_window_it_held(
     backlog_s: float,
