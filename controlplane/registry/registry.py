@@ -244,11 +244,13 @@ class Registry:
         inspection = inspect_kept(self.inspector, source, sha256, format, inputs_spec)
         _check_batched(inspection)
         for attempt in range(_PUSH_ATTEMPTS):
-            # Again after a lost race: the winner may have pushed these very bytes.
+            version = self.store.next_model_version(name)
+            # After the number is chosen (and again after a lost race): a push of these very
+            # bytes that got in before it is the newest version now; one after it takes the
+            # same number, and the insert that loses comes back here.
             same = self._newest_if_same(name, sha256, inspection)
             if same is not None:
                 return Pushed(same, created=False)
-            version = self.store.next_model_version(name)
             key = artifact_key(name, version, sha256, inspection.format)
             uri = self.storage.put(source, key)
             crash_point("model_push.before_row")

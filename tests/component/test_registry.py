@@ -348,24 +348,47 @@ def test_the_same_file_racing_for_one_version_keeps_the_winners_blob(
     registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another push of the same file takes version 1 after this one found no version and chose
-    1: this one keeps the winner's blob (the same key) and answers the winner's version."""
+    1 (while it stores its blob): this one keeps the winner's blob (the same key) and answers
+    the winner's version."""
+    storage = registry.storage
+    real_put = storage.put
+    same = model_file(tmp_path, b"same bytes")
+    won: list[ModelVersionRecord] = []
+
+    def overtaken(source: Path, key: str) -> str:
+        if not won:
+            monkeypatch.setattr(storage, "put", real_put)
+            won.append(registry.push("wine", same))
+        return real_put(source, key)
+
+    monkeypatch.setattr(storage, "put", overtaken)
+    answer = registry.push_version("wine", same)
+    assert answer == (won[0], False) and won[0].version == 1
+    assert [v.version for v in registry.store.list_model_versions("wine")] == [1]
+    assert b"".join(registry.open(won[0])) == b"same bytes"
+    assert len(blobs(tmp_path / "data" / "registry")) == 1
+
+
+def test_the_same_file_pushed_before_this_push_chose_its_number_is_answered(
+    registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another push of the same file takes version 1 after this one found no version but before
+    it chose its number: this one answers version 1 (no version 2 of the same bytes)."""
     store = registry.store
     real_next = store.next_model_version
     same = model_file(tmp_path, b"same bytes")
     won: list[ModelVersionRecord] = []
 
-    def overtaken(name: str) -> int:
-        number = real_next(name)
+    def overtaken_first(name: str) -> int:
         if not won:
             monkeypatch.setattr(store, "next_model_version", real_next)
             won.append(registry.push(name, same))
-        return number
+        return real_next(name)
 
-    monkeypatch.setattr(store, "next_model_version", overtaken)
+    monkeypatch.setattr(store, "next_model_version", overtaken_first)
     answer = registry.push_version("wine", same)
-    assert answer == (won[0], False) and won[0].version == 1
+    assert answer == (won[0], False)
     assert [v.version for v in store.list_model_versions("wine")] == [1]
-    assert b"".join(registry.open(won[0])) == b"same bytes"
     assert len(blobs(tmp_path / "data" / "registry")) == 1
 
 
