@@ -1116,8 +1116,8 @@ class AppDispatcher:
         Its probes keep it out while its agent says the batch still runs
         (:meth:`Health.recover`). One back while still busy (a server that does not say so)
         times out on the next batch too: not that batch's fault (``Worker.slow``, until a call
-        of it is answered), so it is retried as a worker's failure (the caller probes only a
-        worker not flagged)."""
+        of it is answered or its agent, busy at a probe, says the batch is over), so it is
+        retried as a worker's failure (the caller probes only a worker not flagged)."""
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)

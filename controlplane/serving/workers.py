@@ -202,6 +202,8 @@ class Worker:
         # A call to it timed out on a slow batch (it answered its probe) and no call has been
         # answered since: it may still be busy with that batch, so a timeout now is not the
         # new batch's (AppDispatcher._failed).
+        # Cleared too when it comes back from a probe that found its agent busy (the agent
+        # says so) and then not: the batch is over.
         self.slow = False
         self.healthy = True
         self.running = False
@@ -295,6 +297,8 @@ class Worker:
         self.agent_busy = True
 
     def recover(self, now_s: float) -> None:
+        if self.agent_busy:  # its agent said the slow batch ran, and now that none does
+            self.slow = False
         self.healthy = True
         self.agent_busy = False
         self.idle_since_s = now_s

@@ -740,3 +740,29 @@ def test_a_ready_answer_says_busy_only_with_the_agents_busy_true(
     body: object, busy: WorkerBusy | None
 ) -> None:
     assert busy_of(body) == busy
+
+
+def test_a_worker_back_once_its_agent_is_no_longer_busy_is_not_slow() -> None:
+    """A worker out after a slow query (``slow``: a timeout there was not the next batch's)
+    whose agent said busy, then ready and not busy, is back with its slow batch over: a
+    timeout there now is the new batch's, probed (a slow query answered 504 after one
+    worker), not read as a worker's failure that takes the next worker out too. One back
+    without ever having said busy (a server that does not say) stays ``slow``, as before."""
+    clock = [100.0]
+    transport = _Answers(WorkerBusy(1, 2.0), True, True)
+    health = Health("demo", transport, DispatcherSettings(), lambda: clock[0])  # type: ignore[arg-type]
+    worker = Worker(WorkerEndpoint("i-1", "emu.cpu.large", "w:1"), 0.0)
+    workers = {"i-1": worker}
+    worker.slow = True
+    worker.fail(clock[0], "no answer within 1000 ms")
+    clock[0] = worker.retry_at_s
+    assert asyncio.run(health.recover([worker], workers, 0.5)) == []
+    assert worker.slow and worker.agent_busy
+    clock[0] = worker.retry_at_s
+    assert asyncio.run(health.recover([worker], workers, 0.5)) == [worker]
+    assert worker.healthy and not worker.slow
+    worker.slow = True
+    worker.fail(clock[0], "no answer within 1000 ms")
+    clock[0] = worker.retry_at_s
+    assert asyncio.run(health.recover([worker], workers, 0.5)) == [worker]
+    assert worker.slow
