@@ -804,6 +804,48 @@ def test_a_worker_whose_agent_says_it_is_busy_stays_out_until_the_slow_query_end
     run(scenario())
 
 
+def test_a_second_slow_query_after_the_busy_worker_is_back_takes_out_one_worker() -> None:
+    """The worker a slow query took out stays out while its agent says busy, and is back once
+    the slow batch ends: its slow batch is over, so a second slow query that times out there
+    is probed and answered 504 with that one worker out, not read as the worker's failure and
+    tried again on the other worker, which it would take out too."""
+    now = [1000.0]
+
+    async def scenario() -> None:
+        workers = await fleet([LARGE, LARGE])
+        losses: list[str] = []
+        dispatcher = await slow_path_dispatcher(
+            workers,
+            config(models=("tiny",)),
+            clock_s=lambda: now[0],
+            on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
+        )
+        (slow,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(slow, QueryTimeoutError), slow
+        (out,) = [w for w in dispatcher.workers() if not w.healthy]
+        index = int(out.instance_id.removeprefix("i-"))
+        now[0] += 60.0
+        await dispatcher.probe()
+        assert not out.healthy and out.last_error.startswith("busy: 1 batch"), out.last_error
+        workers[index].end_slow()
+        now[0] += 60.0
+        await dispatcher.probe()
+        assert all(w.healthy for w in dispatcher.workers())
+        # A query answered by the other worker (idle the longer), then the second slow query
+        # goes to this one (idle the longer now).
+        other = workers[1 - index]
+        (answered,) = await settle([dispatcher.submit([row(0, 0.9)])])
+        assert isinstance(answered, InferResult) and other.received == 1, answered
+        (again,) = await settle([dispatcher.submit([poison_row(3)])])
+        assert isinstance(again, QueryTimeoutError), again
+        assert workers[index].received == 2 and other.received == 1
+        assert losses == [out.instance_id, out.instance_id], losses
+        assert [w.healthy for w in dispatcher.workers()].count(True) == 1
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_slow_query_in_a_batch_is_tried_alone_and_the_others_are_served() -> None:
     """Which query of a timed-out batch was slow is not known: each is tried again alone, the
     good ones are answered and the slow one is a 504 when its own call times out. Two workers
