@@ -234,7 +234,9 @@ def clip_short_bursts(
     """The arrivals less the excess of each ``bin_s`` second that stands out of its stretch of
     ``persistence_s`` (centred on it) by more than ``z`` standard deviations of a renewal count:
     a bin of c arrivals whose stretch's median bin holds m keeps at most
-    m + z sqrt(max(m, 1) max(cv2, 1)) of them (the earliest), the rest are dropped.
+    m + z sqrt(max(m, 1) max(cv2, 1)) of them (the earliest), the rest are dropped, provided the
+    bins that stand out all fit in one stretch: bursts that recur across the arrivals (seconds
+    standing out further apart than a stretch) are load, and nothing is dropped.
 
     A burst that is over within about half the stretch (a blip: a few seconds' worth of queries
     inside one second) is then read at the traffic's own level, while a rise, a step or a burst
@@ -279,7 +281,10 @@ def clip_short_bursts(
     level = np.nanmedian(stretches, axis=1)
     var = max(float(cv2), 1.0) if math.isfinite(cv2) else 1.0
     keep = np.floor(level + z * np.sqrt(np.maximum(level, 1.0) * var))
-    if not (counts > keep).any():
+    over = np.flatnonzero(counts > keep)
+    if over.size == 0 or over[-1] - over[0] > 2 * half:
+        # None stands out, or those that do recur across the arrivals (they do not fit in one
+        # stretch): bursts that come again are load (clients that send in bursts), not a blip.
         return arrivals
     starts = np.searchsorted(index, np.arange(bins), side="left")
     rank = np.arange(arrivals.size) - starts[index]

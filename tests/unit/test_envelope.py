@@ -225,4 +225,17 @@ def test_clipping_bad_arguments() -> None:
         clip_short_bursts([2.0, 1.0], 15.0)
     for name, kwargs in (("persistence_s", {"persistence_s": 0.0}), ("z", {"z": -1.0})):
         with pytest.raises(WorkloadError, match=name):
-            clip_short_bursts([1.0, 2.0, 3.0], **kwargs)  # type: ignore[arg-type]
+            clip_short_bursts([1.0, 2.0, 3.0], **kwargs)
+
+
+@pytest.mark.parametrize("period_s", [5.0, 10.0, 20.0])
+def test_bursts_that_recur_across_the_memory_are_not_clipped(period_s: float) -> None:
+    """Clients that send their queries in bursts (a burst inside 0.2 s every ``period_s``,
+    64 qps on average, next to a little steady traffic): each burst's second stands out of its
+    stretch, but they recur across the memory, so they are load, not a blip (the persistence
+    test's rule: a burst counts once another like it comes within the memory). Clipped, a
+    minute of them read a fifth of their rate at the 60 s window."""
+    size = int(64 * period_s)
+    bursts = [t + np.arange(size) * 0.2 / size for t in np.arange(period_s, 60.0, period_s)]
+    arrivals = np.sort(np.concatenate([*bursts, np.arange(0.0, 60.0, 0.5)]))
+    assert clip_short_bursts(arrivals, 15.0, arrival_cv2(arrivals)[0]).size == arrivals.size

@@ -422,3 +422,26 @@ def test_a_step_of_several_types_names_the_whole_step_in_each_decision() -> None
     for d in ups:
         assert "mix change in steps" in d.reason and "(the step: 1 x b + 2 x c)" in d.reason
         assert "$1.75/hr" in d.reason, d.reason
+
+
+def test_load_that_comes_in_recurring_bursts_is_read_as_its_rate() -> None:
+    """Clients that send twice the planned rate in bursts (320 queries inside 0.2 s every 5 s):
+    each burst's second stands out of its stretch, but they recur through the memory, so the
+    scale-up reads them as load: the sustained load (the 60 s window) is twice the plan. With
+    each burst clipped to its stretch's level it read 0.57 of the plan."""
+    windows = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+    cfg = dataclasses.replace(
+        config(persistence_s=DEFAULT_PERSISTENCE_S),
+        windows_s=windows,
+        planned_rate_qps=(PLANNED_QPS,) * len(windows),
+        recent_s=60.0,
+    )
+    plan = stage()
+    bursts = [t + np.arange(320) * 0.2 / 320 for t in np.arange(45.0, 105.0, 5.0)]
+    arrivals = np.sort(np.concatenate(bursts))
+    state = TunerState(fleets={"m": Fleet.of({"cpu": 4})}, last_change_s=0.0, started_s=0.0)
+    decisions, _ = tune(arrivals, float(arrivals[-1]) + 0.05, state, [plan], cfg)
+    (up,) = [d for d in decisions if d.action == "scale_up"]
+    sustained = re.search(r"sustained load x([0-9.]+) \(window 60 s\)", up.reason)
+    assert sustained is not None, up.reason
+    assert float(sustained.group(1)) == pytest.approx(2.0, rel=0.05), up.reason
