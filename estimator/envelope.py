@@ -269,7 +269,7 @@ def clip_short_bursts(
         return arrivals
     first = float(arrivals[0])
     bins = math.floor((float(arrivals[-1]) - first) / bin_s) + 1
-    half = max(1, round(float(persistence_s) / bin_s / 2.0))
+    half = max(1, math.floor(float(persistence_s) / bin_s / 2.0))  # 2 half + 1 bins: 15 for 15 s
     if bins < 2 * half + 1:
         return arrivals  # a span shorter than the stretch: nothing stands out of it
     index = np.minimum(((arrivals - first) / bin_s).astype(np.int64), bins - 1)
