@@ -377,6 +377,16 @@ class Settings(BaseSettings):
             " 0: workers are not probed"
         ),
     )
+    worker_stuck_s: float = Field(
+        default=600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "how long a running worker's agent may say one batch has run (its /health busy_s)"
+            " before the reconciler takes its model for stuck and replaces it, s (with"
+            " worker_unresponsive_s > 0)"
+        ),
+    )
     capacity_replan_after_s: float = Field(
         default=60.0,
         ge=0,

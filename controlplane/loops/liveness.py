@@ -24,6 +24,11 @@ An answer is a JSON object whose ``status`` is ``ok`` or ``stopping`` (the agent
 finishing what it has). ``loading`` is an agent up whose models are not loaded yet: no answer,
 which the boot allowance above covers; ``failed`` (its models could not be loaded) is none.
 
+An answer whose ``busy_s`` (how long the agent's oldest batch has run, with ``busy`` true) is
+over ``stuck_after_s`` (:data:`DEFAULT_STUCK_AFTER_S`, 600 s) is a worker whose model is stuck on
+a query: the serving path keeps it out of matching while it says it is busy, so it serves
+nothing; it is a verdict at its first probe, like the next.
+
 An answer whose ``protocol`` is older than
 :data:`~provisioners.worker.oip.WORKER_PROTOCOL` is a worker that cannot serve this control plane
 (an older release's, adopted across an upgrade: every batch sent to it fails): it is a verdict at
@@ -58,6 +63,11 @@ from provisioners.worker.oip import WORKER_PROTOCOL
 logger = logging.getLogger(__name__)
 
 DEFAULT_AFTER_S = 60.0
+# An agent that says its oldest batch has run this long is stuck on it (its model hangs on a
+# query while its HTTP server answers): the serving path keeps such a worker out of matching
+# while it says it is busy, so it would stay paid for and serve nothing (docs/provisioners.md,
+# "Workers that stop answering"). Ten minutes: far past any batch's call timeout.
+DEFAULT_STUCK_AFTER_S = 600.0
 DEFAULT_PROBE_TIMEOUT_S = 2.0
 MAX_PARALLEL_PROBES = 16
 # At least this many unanswered probes in a row, whatever after_s (a setting below the
@@ -77,13 +87,18 @@ _MAX_ANSWER_BYTES = 64 * 1024
 Probe = Callable[[ProvisionedInstance], bool | str]
 
 
-def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
+def http_probe(
+    port: int,
+    timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+    stuck_after_s: float = DEFAULT_STUCK_AFTER_S,
+) -> Probe:
     """A probe asking a worker's agent ``GET /health`` at its address (``port`` where the address
     names none: an EC2 private IP), straight (no proxy), within ``timeout_s`` a socket operation;
     whether it answered (module docstring: ``status`` ``ok`` or ``stopping``, whatever the HTTP
-    status), or, for an agent whose ``protocol`` is older than
-    :data:`~provisioners.worker.oip.WORKER_PROTOCOL`, why it cannot serve (an agent that says
-    none answered)."""
+    status), or why it cannot serve and is to be replaced: an agent whose ``protocol`` is older
+    than :data:`~provisioners.worker.oip.WORKER_PROTOCOL` (an agent that says none answered), or
+    one whose oldest batch has run for over ``stuck_after_s`` (its ``busy_s``: a model stuck on
+    a query)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def probe(instance: ProvisionedInstance) -> bool | str:
@@ -106,6 +121,17 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
             return False
         if not isinstance(body, dict) or body.get("status") not in ("ok", "stopping"):
             return False
+        busy_s = body.get("busy_s")
+        if (
+            body.get("busy") is True
+            and isinstance(busy_s, int | float)
+            and not isinstance(busy_s, bool)
+            and busy_s > stuck_after_s  # NaN is not
+        ):
+            return (
+                f"its agent has run one batch for {busy_s:.0f} s, over {stuck_after_s:g} s:"
+                " its model is stuck on it; replaced"
+            )
         # No field, or not a whole number: unknown (the agents of 2026-11-29 to 2026-12-06
         # read binary tensors and say no protocol), never a reason to replace a worker.
         protocol = body.get("protocol")
@@ -113,7 +139,8 @@ def http_probe(port: int, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> Probe:
             return True
         return (
             f"its agent reads worker protocol {protocol}, this control plane sends"
-            f" {WORKER_PROTOCOL}: an older release's worker, which cannot serve its batches"
+            f" {WORKER_PROTOCOL}: an older release's worker, which cannot serve its batches;"
+            " replaced by one of this release"
         )
 
     return probe
@@ -209,12 +236,10 @@ class Liveness:
         return not seen.answered and now_s - seen.since_s < self.never_after_s
 
     def _verdicts(self, now_s: float) -> dict[str, str]:
-        # A worker that answers but cannot serve (an older release's) is replaced at once: every
-        # batch sent to it fails, whatever the others do.
+        # A worker that answers but cannot serve (an older release's, or one stuck on a batch) is
+        # replaced at once: nothing sent to it is served, whatever the others do.
         found = {
-            pid: f"{seen.outdated}; replaced by one of this release"
-            for pid, seen in self._seen.items()
-            if seen.outdated is not None
+            pid: seen.outdated for pid, seen in self._seen.items() if seen.outdated is not None
         }
         # The share is of the workers past their boot: new ones are silent as a rule.
         probed = [

@@ -325,7 +325,7 @@ def worker_liveness(settings: Settings) -> Liveness | None:
     if settings.provisioner == "fake" or settings.worker_unresponsive_s <= 0:
         return None
     return Liveness(
-        http_probe(DEFAULT_WORKER_PORT),
+        http_probe(DEFAULT_WORKER_PORT, stuck_after_s=settings.worker_stuck_s),
         after_s=settings.worker_unresponsive_s,
         never_after_s=DEFAULT_STRAGGLER_TIMEOUT_S,
     )

@@ -13,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from controlplane.loops.liveness import Liveness, http_probe
+from controlplane.service.build import worker_liveness
+from controlplane.settings import Settings
 from provisioners.base import ProvisionedInstance
 from provisioners.worker.oip import WORKER_PROTOCOL
 
@@ -211,6 +213,9 @@ class _Agent(BaseHTTPRequestHandler):
         kind = self.server.kind  # type: ignore[attr-defined]
         status, body = {
             "ok": (200, json.dumps({"status": "ok", "protocol": WORKER_PROTOCOL})),
+            "busy": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 42.0})),
+            "stuck": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 700.25})),
+            "idle": (200, json.dumps({"status": "ok", "busy": False, "busy_s": 0.0})),
             "older": (200, json.dumps({"status": "ok", "protocol": 1})),
             "unsaid": (200, json.dumps({"status": "ok"})),  # an agent of before the field
             "odd": (200, json.dumps({"status": "ok", "protocol": "1"})),
@@ -282,10 +287,30 @@ def test_the_http_probe_says_why_an_older_releases_agent_cannot_serve(
         assert probe(instance("w", address=f"127.0.0.1:{port}")) is True
 
 
+def test_the_http_probe_says_a_worker_stuck_on_a_batch_cannot_serve(
+    agent: ThreadingHTTPServer,
+) -> None:
+    """A model stuck on a query while its agent's HTTP server answers: the serving path keeps
+    the worker out of matching while the agent says it is busy, so it served nothing, paid for,
+    for good. An agent whose oldest batch has run past the bound is named; one busy for less,
+    or idle, answered."""
+    port = int(agent.server_address[1])
+    probe = http_probe(port, timeout_s=5.0, stuck_after_s=600.0)
+    agent.kind = "stuck"  # type: ignore[attr-defined]
+    why = probe(instance("w", address=f"127.0.0.1:{port}"))
+    assert isinstance(why, str), why
+    assert "one batch for 700 s, over 600 s" in why and why.endswith("replaced"), why
+    for kind in ("busy", "idle"):
+        agent.kind = kind  # type: ignore[attr-defined]
+        assert probe(instance("w", address=f"127.0.0.1:{port}")) is True
+    liveness = Liveness(lambda worker: why, background=False, never_after_s=600.0)
+    assert liveness.check([instance("a")], at(0.0)) == {"a": why}  # at its first probe
+
+
 def test_an_older_releases_worker_is_replaced_at_once_even_when_all_are() -> None:
     """Every worker of the app an older release's (all adopted after an upgrade): each is a
     verdict at the first probe, not held back as a mass silence (they answer; none can serve)."""
-    older = "its agent reads worker protocol 1"
+    older = "its agent reads worker protocol 1 ...; replaced by one of this release"
 
     def probe(worker: ProvisionedInstance) -> bool | str:
         return older if worker.provider_id != "new" else True
@@ -313,3 +338,18 @@ def test_the_http_probe_gives_up_on_a_worker_that_accepts_and_never_answers() ->
         assert probe(instance("h", address=_address(hung))) is False
         assert probe(instance("c", address=_address(closed))) is False
         assert probe(instance("n", address=None)) is False
+
+
+def test_the_services_probe_takes_its_stuck_bound_from_the_settings(
+    agent: ThreadingHTTPServer,
+) -> None:
+    """``worker_stuck_s`` reaches the reconciler's probe: an agent busy for 42 s is stuck at a
+    bound of 30 s, not at the default's 600."""
+    port = int(agent.server_address[1])
+    agent.kind = "busy"  # type: ignore[attr-defined]
+    address = f"127.0.0.1:{port}"  # names its port: the default worker port is not asked
+    for stuck_s, stuck in ((30.0, True), (600.0, False)):
+        liveness = worker_liveness(Settings(provisioner="local", worker_stuck_s=stuck_s))
+        assert liveness is not None
+        answer = liveness.probe(instance("w", address=address))
+        assert isinstance(answer, str) is stuck, answer
