@@ -25,8 +25,10 @@ who is probed, which failed queries are tried again, and who hears of a lost wor
   server that does not say so (not the agent) comes back on its 200 as before.
 - **Idle probes** (:meth:`Health.probe_idle`): a healthy worker that no call has reached for
   ``idle_probe_s`` must answer its probe too, so one that died while idle leaves matching
-  (recorded like a failed call with nothing in flight) before a query is sent to it. A worker that
-  a batch reached meanwhile is left to that call's outcome.
+  (recorded like a failed call with nothing in flight) before a query is sent to it. One whose
+  agent answers busy runs a batch this dispatcher did not send (a slow one, sent before a
+  restart or a leader's failover): it leaves matching as busy, as above, and comes back once its
+  agent is not. A worker that a batch reached meanwhile is left to that call's outcome.
 - **Losses** (:meth:`Health.report`): a worker just marked unhealthy is logged and handed, as a
   :class:`WorkerLoss`, to ``on_unhealthy`` (the serving loop records it as an instance event).
 
@@ -182,8 +184,16 @@ class Health:
             gone = workers.get(worker.instance_id) is not worker
             if gone or worker.running or worker.checked_s > asked_s:
                 continue
-            if answer is not False:  # answered (busy or not): alive
+            if answer is True:
                 worker.checked_s = now
+            elif isinstance(answer, WorkerBusy):
+                # Alive, but busy with a batch this dispatcher did not send (it has none there:
+                # a dispatcher before a restart or a failover sent it, a slow one): a batch sent
+                # now would wait behind it and time out. Out while its agent says so, as after a
+                # slow query of its own (probed at the same backoff, no failure counted).
+                worker.fail(now, "busy with a batch this dispatcher did not send")
+                worker.still_busy(now, answer.in_flight, answer.busy_s)
+                lost.append(worker)
             elif worker.healthy:
                 worker.fail(now, "health probe failed while idle")
                 lost.append(worker)

@@ -723,6 +723,26 @@ def test_a_worker_whose_agent_is_busy_stays_out_at_the_same_backoff_until_it_is_
     assert worker.retry_at_s == clock[0] + backoff_s(3)
 
 
+def test_an_idle_worker_whose_agent_is_busy_leaves_matching_until_it_is_not() -> None:
+    """A worker this dispatcher has sent nothing for ``idle_probe_s``, whose agent says a batch
+    is under way: a dispatcher before a restart or a failover sent it a slow one, and a batch
+    sent now would wait behind it and time out. It had been taken as alive and kept in
+    matching; it leaves now (reported as a loss), busy, and is back once its agent is not."""
+    clock = [100.0]
+    transport = _Answers(WorkerBusy(1, 40.0), True)
+    health = Health("demo", transport, DispatcherSettings(), lambda: clock[0])  # type: ignore[arg-type]
+    worker = Worker(WorkerEndpoint("i-1", "emu.cpu.large", "w:1"), 0.0)
+    worker.checked_s = 0.0
+    workers = {"i-1": worker}
+    assert asyncio.run(health.probe_idle(workers, clock[0])) == [worker]
+    assert not worker.healthy and worker.agent_busy and worker.failures == 1
+    assert worker.last_error == "busy: 1 batch(es) under way, the oldest for 40.0 s"
+    clock[0] = worker.retry_at_s
+    assert health.due(workers, clock[0]) == [worker]
+    assert asyncio.run(health.recover([worker], workers, 0.5)) == [worker]
+    assert worker.healthy and worker.last_error == ""
+
+
 @pytest.mark.parametrize(
     ("body", "busy"),
     [
