@@ -58,6 +58,7 @@ from controlplane.serving.transport import HttpWorkerTransport, WorkerReply
 from controlplane.serving.workers import (
     ProvisionedInstances,
     StaticInstances,
+    Worker,
     WorkerEndpoint,
     backoff_s,
 )
@@ -763,6 +764,26 @@ def test_a_worker_back_while_still_busy_with_a_slow_query_does_not_fail_the_next
     run(scenario())
 
 
+async def slow_query_taken_out(
+    now: list[float],
+) -> tuple[list[FakeWorker], AppDispatcher, Worker, list[str]]:
+    """Two fake workers over HTTP (they say when they are busy), a slow-path dispatcher on the
+    clock ``now``, and one slow query sent: answered 504, its worker out. The workers, the
+    dispatcher, the worker out and the instance ids reported lost."""
+    workers = await fleet([LARGE, LARGE])
+    losses: list[str] = []
+    dispatcher = await slow_path_dispatcher(
+        workers,
+        config(models=("tiny",)),
+        clock_s=lambda: now[0],
+        on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
+    )
+    (slow,) = await settle([dispatcher.submit([poison_row(3)])])
+    assert isinstance(slow, QueryTimeoutError), slow
+    (out,) = [w for w in dispatcher.workers() if not w.healthy]
+    return workers, dispatcher, out, losses
+
+
 def test_a_worker_whose_agent_says_it_is_busy_stays_out_until_the_slow_query_ends() -> None:
     """The worker a slow query took out answers its probes, but its agent says a batch is
     under way there (the slow one: it runs one at a time): it stays out of matching, probed
@@ -772,17 +793,7 @@ def test_a_worker_whose_agent_says_it_is_busy_stays_out_until_the_slow_query_end
     now = [1000.0]
 
     async def scenario() -> None:
-        workers = await fleet([LARGE, LARGE])
-        losses: list[str] = []
-        dispatcher = await slow_path_dispatcher(
-            workers,
-            config(models=("tiny",)),
-            clock_s=lambda: now[0],
-            on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
-        )
-        (slow,) = await settle([dispatcher.submit([poison_row(3)])])
-        assert isinstance(slow, QueryTimeoutError), slow
-        (out,) = [w for w in dispatcher.workers() if not w.healthy]
+        workers, dispatcher, out, losses = await slow_query_taken_out(now)
         index = int(out.instance_id.removeprefix("i-"))
         assert workers[index].slow_batches == 1 and out.failures == 1
         for _ in range(3):
@@ -812,17 +823,7 @@ def test_a_second_slow_query_after_the_busy_worker_is_back_takes_out_one_worker(
     now = [1000.0]
 
     async def scenario() -> None:
-        workers = await fleet([LARGE, LARGE])
-        losses: list[str] = []
-        dispatcher = await slow_path_dispatcher(
-            workers,
-            config(models=("tiny",)),
-            clock_s=lambda: now[0],
-            on_unhealthy=lambda loss: losses.append(loss.endpoint.instance_id),
-        )
-        (slow,) = await settle([dispatcher.submit([poison_row(3)])])
-        assert isinstance(slow, QueryTimeoutError), slow
-        (out,) = [w for w in dispatcher.workers() if not w.healthy]
+        workers, dispatcher, out, losses = await slow_query_taken_out(now)
         index = int(out.instance_id.removeprefix("i-"))
         now[0] += 60.0
         await dispatcher.probe()

@@ -77,6 +77,18 @@ def config(
     )
 
 
+def minute_config() -> TunerConfig:
+    """The tuner with a minute's memory, InferLine's windows up to it, the persistence test on
+    and the plan's 32 qps at every window."""
+    windows = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
+    return dataclasses.replace(
+        config(persistence_s=DEFAULT_PERSISTENCE_S),
+        windows_s=windows,
+        planned_rate_qps=(PLANNED_QPS,) * len(windows),
+        recent_s=60.0,
+    )
+
+
 def ticks(
     plan: TunerStage, cfg: TunerConfig, arrivals: np.ndarray, until_s: float
 ) -> tuple[list[ScalingDecision], TunerState]:
@@ -207,13 +219,7 @@ def test_a_blip_in_a_minutes_memory_buys_nothing_at_the_windows_the_test_cannot_
     the 32 s window to 32.4 qps, over the plan: a replayed blip bought an instance that booted
     after it was over. The second that stands out of its stretch is read at the traffic's level
     (``clip_short_bursts``), so the blip buys nothing; a rise to 40 qps still buys."""
-    windows = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
-    cfg = dataclasses.replace(
-        config(persistence_s=DEFAULT_PERSISTENCE_S),
-        windows_s=windows,
-        planned_rate_qps=(PLANNED_QPS,) * len(windows),
-        recent_s=60.0,
-    )
+    cfg = minute_config()
     plan = stage()
     traffic = 40.0 + np.arange(60 * 28) / 28.0
     blip = 99.0 + np.arange(140) / 140.0
@@ -429,13 +435,7 @@ def test_load_that_comes_in_recurring_bursts_is_read_as_its_rate() -> None:
     each burst's second stands out of its stretch, but they recur through the memory, so the
     scale-up reads them as load: the sustained load (the 60 s window) is twice the plan. With
     each burst clipped to its stretch's level it read 0.57 of the plan."""
-    windows = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0)
-    cfg = dataclasses.replace(
-        config(persistence_s=DEFAULT_PERSISTENCE_S),
-        windows_s=windows,
-        planned_rate_qps=(PLANNED_QPS,) * len(windows),
-        recent_s=60.0,
-    )
+    cfg = minute_config()
     plan = stage()
     bursts = [t + np.arange(320) * 0.2 / 320 for t in np.arange(45.0, 105.0, 5.0)]
     arrivals = np.sort(np.concatenate(bursts))
