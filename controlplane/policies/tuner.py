@@ -2123,8 +2123,14 @@ def tune(
 
     changed = shed or any(d.action == "scale_up" for d in tick.decisions)
     quiet_s = math.inf if state.last_change_s is None else now - state.last_change_s
-    watched_s = math.inf if state.started_s is None else now - state.started_s
-    if not changed and quiet_s >= config.scale_down_delay_s and watched_s >= config.windows_s[-1]:
+    # Since the tuner started (the readings' ``watched_s`` may be longer: a fed memory): a
+    # scale-down waits for its own minute of watching.
+    since_start_s = math.inf if state.started_s is None else now - state.started_s
+    if (
+        not changed
+        and quiet_s >= config.scale_down_delay_s
+        and since_start_s >= config.windows_s[-1]
+    ):
         for plan in plans:
             s, rho = plan.scale_factor, plan.utilisation_target
             if plan.capacity_curve is not None:
