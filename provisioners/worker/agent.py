@@ -295,8 +295,8 @@ class WorkerAgent:
         self._batch_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._stats = {name: _ModelStats() for name in config.models}
-        self._in_flight = 0
-        self._arrivals: list[float] = []  # when each batch in flight arrived (clock)
+        # When each batch in flight (running, or waiting for the one running) arrived (clock).
+        self._arrivals: list[float] = []
         self._idle = threading.Condition()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -324,13 +324,13 @@ class WorkerAgent:
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the batches under way; whether none is left."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)
+            return self._idle.wait_for(lambda: not self._arrivals, timeout=timeout_s)
 
     def busy(self) -> dict[str, Any]:
         """Whether a batch is under way: ``busy``, ``in_flight`` (batches running or waiting
         for the one running) and ``busy_s`` (since the oldest of them arrived; 0 when none)."""
         with self._idle:
-            in_flight = self._in_flight
+            in_flight = len(self._arrivals)
             oldest = min(self._arrivals, default=None)
         busy_s = 0.0 if oldest is None else round(max(0.0, self._clock() - oldest), 3)
         return {"busy": in_flight > 0, "in_flight": in_flight, "busy_s": busy_s}
@@ -421,13 +421,11 @@ class WorkerAgent:
         stop_s = None if budget_s is None else self._clock() + budget_s
         arrived = self._clock()
         with self._idle:
-            self._in_flight += 1
             self._arrivals.append(arrived)
         try:
             return self._run(model, runtime, request, stop_s)
         finally:
             with self._idle:
-                self._in_flight -= 1
                 self._arrivals.remove(arrived)
                 self._idle.notify_all()
 
