@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
+from controlplane.serving.transport import busy_of
 from provisioners.base import ProvisionedInstance, with_port
 from provisioners.worker.oip import WORKER_PROTOCOL
 
@@ -121,15 +122,10 @@ def http_probe(
             return False
         if not isinstance(body, dict) or body.get("status") not in ("ok", "stopping"):
             return False
-        busy_s = body.get("busy_s")
-        if (
-            body.get("busy") is True
-            and isinstance(busy_s, int | float)
-            and not isinstance(busy_s, bool)
-            and busy_s > stuck_after_s  # NaN is not
-        ):
+        busy = busy_of(body)  # as the dispatcher reads the agent's ready answer
+        if busy is not None and busy.busy_s > stuck_after_s:
             return (
-                f"its agent has run one batch for {busy_s:.0f} s, over {stuck_after_s:g} s:"
+                f"its agent has run one batch for {busy.busy_s:.0f} s, over {stuck_after_s:g} s:"
                 " its model is stuck on it; replaced"
             )
         # No field, or not a whole number: unknown (the agents of 2026-11-29 to 2026-12-06
