@@ -1836,43 +1836,41 @@ def load_stopped(arrivals: np.ndarray, now_s: float, persistence_s: float) -> bo
     return pause >= min(persistence_s, max(STOPPED_FLOOR_S, STOPPED_GAPS / rate_qps))
 
 
-def _young_span_s(arrivals: np.ndarray, config: TunerConfig) -> tuple[float, float] | None:
-    """The span of ``arrivals`` (the memory's) and ``config``'s ``persistence_s``, where
-    ``config`` may hold the memory young (``hold_young_memory``; young while the span is under
-    twice the persistence): None without ``hold_young_memory`` or a persistence test, for no
-    arrivals, and for a memory that fills its ring (``memory_ring``: its span is the ring's,
-    not the traffic's age).
+def _young_span_s(arrivals: np.ndarray, config: TunerConfig) -> float | None:
+    """The span of ``arrivals`` (the memory's), where ``config`` may hold the memory young
+    (``hold_young_memory``; young while the span is under twice ``persistence_s``): None
+    without ``hold_young_memory`` or a persistence test, for no arrivals, and for a memory that
+    fills its ring (``memory_ring``: its span is the ring's, not the traffic's age).
 
     >>> config = TunerConfig((1.0,), (5.0,), 1.0, {}, {}, persistence_s=15.0,
     ...     hold_young_memory=True, memory_ring=3)
     >>> _young_span_s(np.array([0.0, 2.0]), config), _young_span_s(np.array([0.0, 1, 2]), config)
-    ((2.0, 15.0), None)
+    (2.0, None)
     """
-    persistence_s = config.persistence_s
-    if not config.hold_young_memory or persistence_s is None or arrivals.size == 0:
+    if not config.hold_young_memory or config.persistence_s is None or arrivals.size == 0:
         return None
     if config.memory_ring is not None and arrivals.size >= config.memory_ring:
         return None
-    return float(arrivals[-1] - arrivals[0]), persistence_s
+    return float(arrivals[-1] - arrivals[0])
 
 
-def _untested_windows(young: tuple[float, float] | None, config: TunerConfig) -> np.ndarray:
-    """Which of ``config``'s windows a young memory (``young``: :func:`_young_span_s`'s span and
-    persistence) holds at the planned rate: those the persistence test reads once the arrivals
-    span twice L = max(w, persistence) (:func:`estimator.envelope.recurring_envelope`), while
-    they span less. A window with 2L >= ``recent_s`` is never tested in the memory and reads
-    the whole envelope, as in steady traffic.
+def _untested_windows(span_s: float | None, config: TunerConfig) -> np.ndarray:
+    """Which of ``config``'s windows a young memory (``span_s``: :func:`_young_span_s`'s)
+    holds at the planned rate: those the persistence test reads once the arrivals span twice
+    L = max(w, persistence) (:func:`estimator.envelope.recurring_envelope`), while they span
+    less. A window with 2L >= ``recent_s`` is never tested in the memory and reads the whole
+    envelope, as in steady traffic.
 
-    >>> config = TunerConfig((1.0, 16.0, 32.0), (5.0,) * 3, 1.0, {}, {}, recent_s=60.0)
-    >>> [_untested_windows((span, 15.0), config).tolist() for span in (29.0, 31.0, 32.0)]
+    >>> config = TunerConfig((1.0, 16.0, 32.0), (5.0,) * 3, 1.0, {}, {}, recent_s=60.0,
+    ...     persistence_s=15.0)
+    >>> [_untested_windows(span, config).tolist() for span in (29.0, 31.0, 32.0)]
     [[True, True, False], [False, True, False], [False, False, False]]
     """
     windows = np.asarray(config.windows_s, dtype=np.float64)
-    if young is None:
+    if span_s is None or config.persistence_s is None:
         return np.zeros(windows.size, dtype=bool)
-    span, persistence_s = young
-    twice = 2.0 * np.maximum(windows, persistence_s)
-    untested: np.ndarray = (span < twice) & (twice < config.recent_s)
+    twice = 2.0 * np.maximum(windows, config.persistence_s)
+    untested: np.ndarray = (span_s < twice) & (twice < config.recent_s)
     return untested
 
 
@@ -1928,7 +1926,8 @@ def tune(
     # How long the arrivals have been watched: since the tuner started, or since the earliest
     # arrival its memory holds where that is older (a restarted loops process is fed the
     # serving process's kept arrivals).
-    watched_s = math.inf if state.started_s is None else now - state.started_s
+    since_start_s = math.inf if state.started_s is None else now - state.started_s
+    watched_s = since_start_s
     if arrivals.ndim == 1 and arrivals.size:
         watched_s = max(watched_s, now - float(arrivals[0]))
     # Scale-up reads the envelope without a single short burst (one that will be over before
@@ -1994,12 +1993,11 @@ def tune(
         rise the load one boot ahead (:func:`rise_ahead`), on a steady fall held for
         ``fall_persist_s`` the load now (:func:`fall_now`), else (1.0, "")."""
         if not lines:
-            watched = math.inf if state.started_s is None else now - state.started_s
             # A span not watched whole would read as a rise from nothing.
             steady = config.lead_on_rise or config.follow_fall
             read = (
                 _steady_line(calm(), now, config.recent_s, burstiness()[0])
-                if steady and watched >= config.recent_s
+                if steady and since_start_s >= config.recent_s
                 else None
             )
             lines.append(read)
@@ -2039,9 +2037,10 @@ def tune(
     # While the arrivals span less than twice the persistence, the test can take no burst out
     # of any window (a restarted service's backlog, load after an idle gap): a young memory.
     held_why = ""
-    if young_span is not None and young_span[0] < 2.0 * young_span[1]:
+    twice_persistence_s = 2.0 * (config.persistence_s or 0.0)
+    if young_span is not None and young_span < twice_persistence_s:
         held_why = (
-            f"the memory's arrivals span {young_span[0]:.3g} s < {2.0 * young_span[1]:g} s:"
+            f"the memory's arrivals span {young_span:.3g} s < {twice_persistence_s:g} s:"
             " a young memory buys back the plan at most"
         )
     young = bool(held_why)
@@ -2123,9 +2122,8 @@ def tune(
 
     changed = shed or any(d.action == "scale_up" for d in tick.decisions)
     quiet_s = math.inf if state.last_change_s is None else now - state.last_change_s
-    # Since the tuner started (the readings' ``watched_s`` may be longer: a fed memory): a
-    # scale-down waits for its own minute of watching.
-    since_start_s = math.inf if state.started_s is None else now - state.started_s
+    # A scale-down waits for a minute of the tuner's own watching (the readings' watched_s
+    # may be longer: a fed memory).
     if (
         not changed
         and quiet_s >= config.scale_down_delay_s
