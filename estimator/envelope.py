@@ -41,6 +41,23 @@ DEFAULT_CV2_BIN_S = 10.0
 BURST_CLIP_Z = 5.0
 
 
+def _check_positive(*named: tuple[str, object]) -> None:
+    """Each (name, value) a finite real number > 0, else a :class:`WorkloadError` naming it."""
+    for name, value in named:
+        if not (isinstance(value, Real) and math.isfinite(float(value)) and float(value) > 0.0):
+            raise WorkloadError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _arrival_times(arrival_s: ArrayLike) -> FloatArray:
+    """``arrival_s`` as a contiguous float array, checked one-dimensional and non-decreasing
+    (a :class:`TraceError` else)."""
+    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
+    if arrivals.ndim != 1:
+        raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
+    check_non_decreasing(arrivals, "arrival time")
+    return arrivals
+
+
 def tuner_windows_s(
     service_time_s: float, max_window_s: float = DEFAULT_MAX_WINDOW_S
 ) -> FloatArray:
@@ -54,9 +71,7 @@ def tuner_windows_s(
         WorkloadError: a service time or maximum window that is not finite and > 0, or a service
             time longer than the maximum window.
     """
-    for name, value in (("service_time_s", service_time_s), ("max_window_s", max_window_s)):
-        if not (isinstance(value, Real) and math.isfinite(value) and value > 0.0):
-            raise WorkloadError(f"{name} must be a finite number > 0, got {value!r}")
+    _check_positive(("service_time_s", service_time_s), ("max_window_s", max_window_s))
     service_time_s, max_window_s = float(service_time_s), float(max_window_s)
     if service_time_s > max_window_s:
         raise WorkloadError(
@@ -258,13 +273,8 @@ def clip_short_bursts(
         TraceError: arrivals that are not one-dimensional, finite and sorted.
         WorkloadError: a ``persistence_s``, ``z`` or ``bin_s`` that is not finite and > 0.
     """
-    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
-    if arrivals.ndim != 1:
-        raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
-    check_non_decreasing(arrivals, "arrival time")
-    for name, value in (("persistence_s", persistence_s), ("z", z), ("bin_s", bin_s)):
-        if not (isinstance(value, Real) and math.isfinite(value) and value > 0.0):
-            raise WorkloadError(f"{name} must be a finite number > 0, got {value!r}")
+    arrivals = _arrival_times(arrival_s)
+    _check_positive(("persistence_s", persistence_s), ("z", z), ("bin_s", bin_s))
     if arrivals.size < 2:
         return arrivals
     first = float(arrivals[0])
@@ -339,10 +349,7 @@ def arrival_cv2(arrival_s: ArrayLike, bin_s: float = DEFAULT_CV2_BIN_S) -> tuple
         TraceError: arrivals that are not a one-dimensional, finite, non-decreasing array.
         WorkloadError: a ``bin_s`` that is not finite and > 0.
     """
-    arrivals = np.ascontiguousarray(arrival_s, dtype=np.float64)
-    if arrivals.ndim != 1:
-        raise TraceError(f"arrival times must be one-dimensional, got shape {arrivals.shape}")
-    check_non_decreasing(arrivals, "arrival time")
+    arrivals = _arrival_times(arrival_s)
     width = float(bin_s)
     if not (math.isfinite(width) and width > 0.0):
         raise WorkloadError(f"bin_s must be a finite number > 0, got {bin_s!r}")
