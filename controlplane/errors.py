@@ -229,8 +229,9 @@ class ProfilesNotMeasuredError(ConflictError):
 
 class ProfilingBudgetError(ConflictError):
     """Profiling workers that the app's budget cannot pay for on top of its fleet: the fleet
-    costs ``fleet_usd_per_hr``, the workers ``workers_usd_per_hr``, the budget is
-    ``budget_usd_per_hr``."""
+    costs ``fleet_usd_per_hr``, ``others_usd_per_hr`` of it the workers of other profile runs
+    and rollouts (said apart: a killed run's worker holds its share until it is ended), the
+    workers ``workers_usd_per_hr``, the budget is ``budget_usd_per_hr``."""
 
     def __init__(
         self,
@@ -238,15 +239,24 @@ class ProfilingBudgetError(ConflictError):
         fleet_usd_per_hr: float,
         workers_usd_per_hr: float,
         budget_usd_per_hr: float,
+        others_usd_per_hr: float = 0.0,
     ) -> None:
         self.app = app
         self.fleet_usd_per_hr = fleet_usd_per_hr
         self.workers_usd_per_hr = workers_usd_per_hr
         self.budget_usd_per_hr = budget_usd_per_hr
+        self.others_usd_per_hr = others_usd_per_hr
+        beside = f"the fleet's {fleet_usd_per_hr:.4g} USD/hr"
+        if others_usd_per_hr > 0:
+            beside = (
+                f"the app's {fleet_usd_per_hr:.4g} USD/hr ({others_usd_per_hr:.4g} USD/hr of it"
+                " other profile runs' or rollouts' workers, ended with their run or once it is not"
+                " heard of)"
+            )
         super().__init__(
             f"app {app!r}: profiling costs {workers_usd_per_hr:.4g} USD/hr (one worker per type)"
-            f" on top of the fleet's {fleet_usd_per_hr:.4g} USD/hr, over the budget of"
-            f" {plain(budget_usd_per_hr)} USD/hr; profile fewer types (--types) or raise the budget"
+            f" on top of {beside}, over the budget of {plain(budget_usd_per_hr)} USD/hr; profile"
+            " fewer types (--types) or raise the budget"
         )
 
 

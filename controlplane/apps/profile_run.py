@@ -91,6 +91,7 @@ from controlplane.policies.lifecycle import (
     LIVE_STATES,
     PROFILE_REQUEST_PREFIX,
     InstanceState,
+    is_profile_worker,
     profiling_group,
 )
 from controlplane.spec import SpecError, parse_artifact
@@ -869,7 +870,9 @@ def _check_budget_of(
     the app's kept rows but ``own`` (the workers' rows, where recorded) and its unrecorded
     instances."""
     rows = store.list_instances(app, LIVE_STATES)  # what unrecorded_cost reads: the live ones
-    fleet = sum(i.cost_usd_per_hr for i in rows if i.state in KEPT_STATES and i.id not in own)
+    kept = [i for i in rows if i.state in KEPT_STATES and i.id not in own]
+    fleet = sum(i.cost_usd_per_hr for i in kept)
+    others = sum(i.cost_usd_per_hr for i in kept if is_profile_worker(i.request_id))
     try:
         fleet += unrecorded_cost(provisioner, app, rows, prices_usd_per_hr)
     except ProvisionerError as error:
@@ -877,7 +880,7 @@ def _check_budget_of(
             f"cannot list the provider's instances to check the budget: {error}"
         ) from None
     if fleet + workers > budget_usd_per_hr + _BUDGET_SLACK_USD_PER_HR:
-        raise ProfilingBudgetError(app, fleet, workers, budget_usd_per_hr)
+        raise ProfilingBudgetError(app, fleet, workers, budget_usd_per_hr, others)
 
 
 def launch_worker(

@@ -398,6 +398,35 @@ def test_the_workers_must_fit_the_budget_next_to_the_fleet(
         profile(world, types=(SMALL,))
 
 
+def test_a_refusal_names_the_other_profile_workers_beside_the_fleet(world: World) -> None:
+    """The workers of another profile run or a rollout count toward the budget next to the
+    fleet, and the refusal says how much of the amount they are: a rollout's profile run
+    waiting for a killed run's worker to be ended said "on top of the fleet's 0.2 USD/hr" of a
+    fleet of 0.1 USD/hr."""
+    small = {t.name: t.price_usd_per_hr for t in default_catalog().values()}[SMALL]
+    register(world, spec(budget=small * 2.5))
+    for request_id in ("r-1", f"profile:rollout-{APP}-7-x-{SMALL}-1"):
+        world.store.record_instance(
+            APP, request_id=request_id, instance_type=SMALL, price_usd_per_hr=small, reason="t"
+        )
+    with pytest.raises(ProfilingBudgetError) as refused:
+        profile(world, types=(SMALL,))
+    assert refused.value.fleet_usd_per_hr == pytest.approx(2 * small)
+    assert f"on top of the app's {2 * small:.4g} USD/hr ({small:.4g} USD/hr of it other" in str(
+        refused.value
+    )
+    assert world.provisioner.requests == []
+    # Without them, the fleet alone, as before.
+    (rollouts,) = [r for r in world.store.list_instances(APP) if r.request_id != "r-1"]
+    world.store.transition_instance(rollouts.id, "failed", reason="t")
+    world.store.record_instance(
+        APP, request_id="r-2", instance_type=SMALL, price_usd_per_hr=small, reason="t"
+    )
+    with pytest.raises(ProfilingBudgetError) as refused:
+        profile(world, types=(SMALL,))
+    assert f"on top of the fleet's {2 * small:.4g} USD/hr, over" in str(refused.value)
+
+
 def test_the_reconciler_launches_an_artifact_app_with_its_artifacts(world: World) -> None:
     register(world, spec())
     reconciler = Reconciler(
