@@ -548,17 +548,24 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
 
 def _subject(decision: Mapping[str, Any]) -> str:
     """What ``decision`` is about, where its numbers say (``rollout 3``, or a cascade's
-    ``stage medium`` for the tuner's decisions); else empty.
+    ``stage medium`` for the tuner's decisions); else empty. A rollout's decision is about its
+    state and step too, where its numbers say them: each move of a rollout (profiled, a step
+    passed, promoted) is a line of its own, and only a run of decisions in one state at one
+    step (a wait said again) collapses; until 2026-12-07 a whole rollout read as one line, its
+    last move's.
 
     >>> _subject({"numbers": {"rollout_id": 3}}), _subject({"numbers": {"stage": "large"}})
     ('rollout 3', 'stage large')
+    >>> _subject({"numbers": {"rollout_id": 3, "state": "canary", "step_index": 1}})
+    'rollout 3 canary 1'
     """
     numbers = decision.get("numbers") or {}
     if not isinstance(numbers, Mapping):
         return ""
     rollout = numbers.get("rollout_id")
     if rollout is not None:
-        return f"rollout {rollout}"
+        moved = [str(numbers[key]) for key in ("state", "step_index") if key in numbers]
+        return " ".join([f"rollout {rollout}", *moved])
     stage = _stage(decision)
     return "" if stage is None else f"stage {stage}"
 

@@ -200,6 +200,45 @@ def test_two_rollouts_decisions_stay_two_lines(
     assert "rollout 2: started" in lines[1] and "x over" not in lines[1]
 
 
+def test_a_rollouts_moves_are_lines_of_their_own(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rollout's decisions carry its state and step (``numbers.state``, ``step_index``): each
+    move is a line of its own, and only a wait said again in one state at one step collapses
+    (the whole rollout had read as one line, its last move's)."""
+    made = httpx.post(
+        f"{service.url}/v1/apps",
+        json=spec("moves"),
+        headers={"Authorization": f"Bearer {service.token}"},
+    )
+    assert made.status_code == 201, made.text
+    at = FAKE_EPOCH + timedelta(seconds=100)
+    moves = (
+        ("profiling", 0, "waiting for the budget"),
+        ("profiling", 0, "waiting for the budget"),
+        ("starting", 0, "profiled"),
+        ("canary", 0, "workers running"),
+        ("canary", 1, "step 1 passed"),
+        ("promoted", 1, "promoted"),
+    )
+    for seconds, (state, step, what) in enumerate(moves):
+        service.store.record_decision(
+            "moves",
+            "rollout",
+            f"rollout 1: {what}",
+            {"rollout_id": 1, "state": state, "step_index": step},
+            at=at + timedelta(seconds=seconds),
+        )
+    status, out, _ = cli(capsys, service, "events", "--app", "moves", "--kind", "rollout")
+    assert status == 0
+    lines = out.strip().splitlines()[1:]
+    assert len(lines) == 5, out
+    assert "2x over 1.0 s" in lines[0] and "waiting for the budget" in lines[0]
+    moved = ("profiled", "workers running", "step 1 passed", "promoted")
+    for line, what in zip(lines[1:], moved, strict=True):
+        assert what in line and "x over" not in line, out
+
+
 def test_a_kind_no_event_has_names_the_kinds_the_log_has(
     service: Service, capsys: pytest.CaptureFixture[str]
 ) -> None:
