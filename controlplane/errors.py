@@ -253,11 +253,13 @@ class ProfilingBudgetError(ConflictError):
                 " other profile runs' or rollouts' workers, ended with their run or once it is not"
                 " heard of)"
             )
-        super().__init__(
+        # What does not fit, without the advice (a rollout's wait quotes it: a rollout profiles
+        # the types its plan needs, and takes no --types).
+        self.cost = (
             f"app {app!r}: profiling costs {workers_usd_per_hr:.4g} USD/hr (one worker per type)"
-            f" on top of {beside}, over the budget of {plain(budget_usd_per_hr)} USD/hr; profile"
-            " fewer types (--types) or raise the budget"
+            f" on top of {beside}, over the budget of {plain(budget_usd_per_hr)} USD/hr"
         )
+        super().__init__(f"{self.cost}; profile fewer types (--types) or raise the budget")
 
 
 class InvalidValueError(ControlPlaneError, ValueError):

@@ -823,10 +823,12 @@ class RolloutLoop:
         if isinstance(run.error, (ProfilingBudgetError, RolloutBudgetError)):
             interval_s = float(settings["interval_s"])
             self._retry_at[rollout.id] = self.clock.utcnow() + timedelta(seconds=interval_s)
+            # The profile run's own advice (--types) is not the rollout's: quote the cost.
+            cost = run.error.cost if isinstance(run.error, ProfilingBudgetError) else run.error
             self._wait(
                 rollout,
                 f"waiting for the budget: the profile run of the new version does not fit"
-                f" ({run.error}); trying again in {interval_s:g} s",
+                f" ({cost}); trying again in {interval_s:g} s",
             )
             return None
         if run.error is not None:

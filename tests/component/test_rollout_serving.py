@@ -777,6 +777,32 @@ def test_a_profile_run_that_cannot_run_refuses_or_rolls_back(world: World) -> No
     assert world.rollouts.route(APP) is None
 
 
+def test_a_profile_run_the_budget_cut_since_the_start_waits_without_the_runs_advice(
+    world: World,
+) -> None:
+    """A budget cut after the start leaves no room for the profile run's worker: the rollout
+    waits for the budget with the amount, and does not pass on ``profile run``'s advice to
+    profile fewer types (``--types``), which a rollout does not take."""
+    world.rollouts.profiling = NewVersionProfiling(world.provider, world.clock, 0, 0.5, 5, 1)
+    request = RolloutRequest("digits-tiny@2", (0.5, 1.0), 10.0)
+    price = world.resolver.resolve(world.store.get_app(APP).spec).prices_usd_per_hr[SMALL]
+    rid = start_rollout(world.store, world.resolver, APP, request, who="test", profile_run=True).id
+    world.store.change_budget(APP, 0.5 * price, reason="cut", who="test")
+
+    async def body() -> list[str]:
+        await world.tick()
+        await asyncio.to_thread(world.rollouts.join_profile_runs, DEADLINE_S)
+        return await world.tick()
+
+    run(body())
+    assert world.state(rid).state == "pending"
+    reasons = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+    (waited,) = [r for r in reasons if "waiting for the budget" in r]
+    assert "the profile run of the new version does not fit" in waited, waited
+    assert f"over the budget of {0.5 * price:g} USD/hr" in waited, waited
+    assert "--types" not in waited, waited
+
+
 def test_the_extra_fleet_grows_step_by_step_within_the_budget(tmp_path: Path) -> None:
     """The applied plan's stage runs four instances: at 25 % the rollout runs one extra
     instance; the next step (100 %) needs three more, which the budget cannot pay for next to
