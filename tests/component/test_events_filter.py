@@ -7,7 +7,7 @@ newest 100 hid every scaling decision (issue 35, item 9)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -87,6 +87,16 @@ def kinds(service: Service, query: str) -> list[str]:
     answer = decisions(service, query)
     assert answer.status_code == 200, answer.text
     return [d["kind"] for d in answer.json()]
+
+
+def register(service: Service, app: str) -> None:
+    """The app ``app`` registered through the API."""
+    made = httpx.post(
+        f"{service.url}/v1/apps",
+        json=spec(app),
+        headers={"Authorization": f"Bearer {service.token}"},
+    )
+    assert made.status_code == 201, made.text
 
 
 def cli(capsys: pytest.CaptureFixture[str], service: Service, *argv: str) -> tuple[int, str, str]:
@@ -172,29 +182,37 @@ def test_collapse_sums_the_stores_own_counts() -> None:
     assert [line.count for line in collapse([first, between, second])] == [3, 1, 1]
 
 
+def rollout_lines(
+    service: Service,
+    capsys: pytest.CaptureFixture[str],
+    app: str,
+    made: Sequence[tuple[int, str, dict[str, object]]],
+) -> tuple[list[str], str]:
+    """``app`` registered, the ``rollout`` decisions ``made`` (rollout id, what, more numbers)
+    recorded a second apart, and ``events --kind rollout``'s lines (without the header) and
+    output."""
+    register(service, app)
+    at = FAKE_EPOCH + timedelta(seconds=100)
+    for seconds, (rollout, what, numbers) in enumerate(made):
+        service.store.record_decision(
+            app,
+            "rollout",
+            f"rollout {rollout}: {what}",
+            {"rollout_id": rollout, **numbers},
+            at=at + timedelta(seconds=seconds),
+        )
+    status, out, _ = cli(capsys, service, "events", "--app", app, "--kind", "rollout")
+    assert status == 0
+    return out.strip().splitlines()[1:], out
+
+
 def test_two_rollouts_decisions_stay_two_lines(
     service: Service, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A rollout's decisions name it (``numbers.rollout_id``): one rollout's run of decisions
     collapses, the next rollout's starts a line of its own."""
-    made = httpx.post(
-        f"{service.url}/v1/apps",
-        json=spec("rolls"),
-        headers={"Authorization": f"Bearer {service.token}"},
-    )
-    assert made.status_code == 201, made.text
-    at = FAKE_EPOCH + timedelta(seconds=100)
-    for seconds, rollout, what in ((0, 1, "step 2"), (1, 1, "promoted"), (2, 2, "started")):
-        service.store.record_decision(
-            "rolls",
-            "rollout",
-            f"rollout {rollout}: {what}",
-            {"rollout_id": rollout},
-            at=at + timedelta(seconds=seconds),
-        )
-    status, out, _ = cli(capsys, service, "events", "--app", "rolls", "--kind", "rollout")
-    assert status == 0
-    lines = out.strip().splitlines()[1:]
+    made = ((1, "step 2", {}), (1, "promoted", {}), (2, "started", {}))
+    lines, out = rollout_lines(service, capsys, "rolls", made)
     assert len(lines) == 2, out
     assert "2x over 1.0 s" in lines[0] and "rollout 1: promoted" in lines[0]
     assert "rollout 2: started" in lines[1] and "x over" not in lines[1]
@@ -206,13 +224,6 @@ def test_a_rollouts_moves_are_lines_of_their_own(
     """A rollout's decisions carry its state and step (``numbers.state``, ``step_index``): each
     move is a line of its own, and only a wait said again in one state at one step collapses
     (the whole rollout had read as one line, its last move's)."""
-    made = httpx.post(
-        f"{service.url}/v1/apps",
-        json=spec("moves"),
-        headers={"Authorization": f"Bearer {service.token}"},
-    )
-    assert made.status_code == 201, made.text
-    at = FAKE_EPOCH + timedelta(seconds=100)
     moves = (
         ("profiling", 0, "waiting for the budget"),
         ("profiling", 0, "waiting for the budget"),
@@ -221,17 +232,8 @@ def test_a_rollouts_moves_are_lines_of_their_own(
         ("canary", 1, "step 1 passed"),
         ("promoted", 1, "promoted"),
     )
-    for seconds, (state, step, what) in enumerate(moves):
-        service.store.record_decision(
-            "moves",
-            "rollout",
-            f"rollout 1: {what}",
-            {"rollout_id": 1, "state": state, "step_index": step},
-            at=at + timedelta(seconds=seconds),
-        )
-    status, out, _ = cli(capsys, service, "events", "--app", "moves", "--kind", "rollout")
-    assert status == 0
-    lines = out.strip().splitlines()[1:]
+    made = [(1, what, {"state": state, "step_index": step}) for state, step, what in moves]
+    lines, out = rollout_lines(service, capsys, "moves", made)
     assert len(lines) == 5, out
     assert "2x over 1.0 s" in lines[0] and "waiting for the budget" in lines[0]
     moved = ("profiled", "workers running", "step 1 passed", "promoted")
@@ -256,12 +258,7 @@ def test_a_kind_no_event_has_names_only_the_kinds_there(
     """An app whose log is empty says so, and one with decisions but no instance event does not
     list ``instance`` (it was always added)."""
     for name in ("quiet", "decided"):
-        made = httpx.post(
-            f"{service.url}/v1/apps",
-            json=spec(name),
-            headers={"Authorization": f"Bearer {service.token}"},
-        )
-        assert made.status_code == 201, made.text
+        register(service, name)
     service.store.record_decision("decided", "scale_down", "need 1 instance", at=FAKE_EPOCH)
     status, out, _ = cli(capsys, service, "events", "--app", "quiet", "--kind", "scale_up")
     assert (status, out.strip()) == (0, "no events of kind scale_up; quiet's log is empty")

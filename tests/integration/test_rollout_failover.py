@@ -35,7 +35,7 @@ from tests.integration.test_replicas import (
     token,
     wait_for,
 )
-from tests.integration.test_rollouts_local import APP, TYPE, Client, _same_weights
+from tests.integration.test_rollouts_local import APP, Client, _same_weights, plan_one_worker
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
@@ -64,18 +64,7 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
         for path in (model, _same_weights(model)):
             pushed = api.post(f"/v1/models/{MODEL}?format=onnx", content=path.read_bytes())
             assert pushed.status_code == 201, pushed.text
-        spec = {
-            "name": APP,
-            "models": [{"name": MODEL, "artifact": f"{MODEL}@1", "profiles": str(profiles)}],
-            "slo": {"latency_ms": 2000},
-            "budget_usd_per_hr": 1.0,
-            "instance_types": [TYPE],
-            "max_counts": {TYPE: 1},
-        }
-        assert api.post("/v1/apps", json=spec).status_code == 201
-        plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 5.0})
-        assert plan.status_code == 201 and plan.json()["feasible"], plan.text
-        assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
+        plan_one_worker(api, profiles, 1.0)
 
         def serving() -> bool | None:
             rows = api.get("/v1/instances", params={"app": APP, "state": "running"}).json()

@@ -48,7 +48,7 @@ from controlplane.settings import DATABASE_FILE
 from tests.integration.conftest import process_alive
 from tests.integration.test_byom import _cli
 from tests.integration.test_replicas import stop_local_workers, wait_for
-from tests.integration.test_rollouts_local import APP, TYPE, Client, _same_weights
+from tests.integration.test_rollouts_local import APP, Client, _same_weights, plan_one_worker
 from tests.integration.test_serve import Server, create_token
 from tests.integration.test_serve_two_processes import loops_of
 
@@ -154,18 +154,7 @@ def test_a_loops_process_killed_mid_rollout_resumes_it(
         api = httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {admin}"}, timeout=120.0
         )
-        spec = {
-            "name": APP,
-            "models": [{"name": MODEL, "artifact": f"{MODEL}@1", "profiles": str(profiles)}],
-            "slo": {"latency_ms": 2000},
-            "budget_usd_per_hr": BUDGET_USD_PER_HR,
-            "instance_types": [TYPE],
-            "max_counts": {TYPE: 1},
-        }
-        assert api.post("/v1/apps", json=spec).status_code == 201
-        plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 5.0})
-        assert plan.status_code == 201 and plan.json()["feasible"], plan.text
-        assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
+        plan_one_worker(api, profiles, BUDGET_USD_PER_HR)
         fleet_v1 = wait_for(
             "the fleet's worker",
             lambda: [r for r in store.list_instances(APP) if r.state == "running"] or None,

@@ -183,6 +183,23 @@ def _serve(
     launch_fleet(service, APP, len(models))
 
 
+def plan_one_worker(api: httpx.Client, profiles: Path, budget_usd_per_hr: float) -> None:
+    """Through the API ``api`` speaks to: the app of ``MODEL``'s version 1 on at most one
+    worker of ``TYPE``, planned at 5 q/s and applied (the service launches the worker)."""
+    spec = {
+        "name": APP,
+        "models": [{"name": MODEL, "artifact": f"{MODEL}@1", "profiles": str(profiles)}],
+        "slo": {"latency_ms": 2000},
+        "budget_usd_per_hr": budget_usd_per_hr,
+        "instance_types": [TYPE],
+        "max_counts": {TYPE: 1},
+    }
+    assert api.post("/v1/apps", json=spec).status_code == 201
+    plan = api.post(f"/v1/apps/{APP}/plans", json={"rate_qps": 5.0})
+    assert plan.status_code == 201 and plan.json()["feasible"], plan.text
+    assert api.post(f"/v1/apps/{APP}/plans/{plan.json()['id']}/apply").status_code == 200
+
+
 def _wait_rollout(capsys: pytest.CaptureFixture[str], done: Any) -> dict[str, Any]:
     deadline = time.monotonic() + DEADLINE_S
     while True:
