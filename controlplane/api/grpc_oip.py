@@ -105,6 +105,7 @@ from controlplane.api.routes.oip import (
     serve_parsed,
     serving_of,
     signature_of,
+    timeout_us,
     unserved,
 )
 from controlplane.db.store import Principal
@@ -428,15 +429,14 @@ def request_document(request: Any, remaining_s: float | None) -> tuple[dict[str,
         document["id"] = request.id
     parameters = {key: _parameter(value) for key, value in request.parameters.items()}
     given = parameters.get("timeout")
-    if given is not None and (isinstance(given, bool) or not isinstance(given, int | float)):
-        # What the REST route says of it (a deadline would otherwise replace it unread).
-        raise OipError(f"parameters.timeout must be microseconds > 0, got {given!r}")
+    # What the REST route says of it (a deadline would otherwise replace it unread: an
+    # infinity, longer than any deadline, had been served).
+    given_us = None if given is None else timeout_us(given)
     if remaining_s is not None:
         # The call's deadline is the client's, as parameters.timeout is (microseconds).
-        timeout_us = max(remaining_s, 1e-6) * 1e6
-        given = parameters.get("timeout")
-        if not isinstance(given, int | float) or isinstance(given, bool) or given > timeout_us:
-            parameters["timeout"] = timeout_us
+        deadline_us = max(remaining_s, 1e-6) * 1e6
+        if given_us is None or given_us > deadline_us:
+            parameters["timeout"] = deadline_us
     if parameters:
         document["parameters"] = parameters
     if request.outputs:

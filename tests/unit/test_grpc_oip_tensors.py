@@ -140,6 +140,27 @@ def test_a_timeout_that_is_not_a_number_is_refused(deadline_s: float | None) -> 
         request_document(request, deadline_s)
 
 
+@pytest.mark.parametrize("deadline_s", [0.25, None])
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (float("inf"), "must be a finite number of microseconds, got inf"),
+        (float("nan"), "must be microseconds > 0, got nan"),
+        (-1.0, "must be microseconds > 0, got -1.0"),
+    ],
+)
+def test_a_timeout_rest_refuses_is_refused_deadline_or_not(
+    deadline_s: float | None, value: float, says: str
+) -> None:
+    """A ``parameters.timeout`` REST refuses (an infinity, a NaN, a negative number) is refused
+    whether the call has a deadline or not: an infinity, longer than any deadline, had been
+    replaced by the call's unread and the query served."""
+    request = _raw("FP32", np.zeros((1, 3), dtype=np.float32))
+    request.parameters["timeout"].double_param = value  # type: ignore[attr-defined]
+    with pytest.raises(OipError, match=rf"parameters\.timeout {says}"):
+        request_document(request, deadline_s)
+
+
 def _rest_answer(arrays: dict[str, np.ndarray], binary: set[str]) -> httpx.Response:
     """REST ``/v2``'s answer to a forwarded query: ``binary`` outputs raw, the others in JSON."""
     tensors, blobs = [], []

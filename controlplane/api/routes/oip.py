@@ -107,6 +107,7 @@ __all__ = [
     "serve_query",
     "serving_of",
     "signature_of",
+    "timeout_us",
     "unserved",
 ]
 
@@ -396,6 +397,12 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
     timeout = parameters.get("timeout") if isinstance(parameters, Mapping) else None
     if timeout is None:
         return None
+    return received_s + timeout_us(timeout) / 1e6
+
+
+def timeout_us(timeout: object) -> float:
+    """A request's ``parameters.timeout``, microseconds; :class:`OipError` for one that is not a
+    finite number > 0 (gRPC checks it too before the call's deadline may replace it)."""
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise OipError(f"parameters.timeout must be microseconds > 0, got {timeout!r}")
     try:
@@ -409,7 +416,7 @@ def _deadline_s(document: Mapping[str, Any], received_s: float) -> float | None:
         raise OipError(
             f"parameters.timeout must be a finite number of microseconds, got {timeout!r}"
         )
-    return received_s + microseconds / 1e6
+    return microseconds
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
