@@ -232,7 +232,8 @@ def test_a_malformed_message_is_invalid_argument_in_one_line(
     served: tuple[ApiWorld, str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Bytes that are not a ModelInferRequest (garbage, or an ``id`` that is not UTF-8) are
-    ``INVALID_ARGUMENT`` with one line, not grpc's UNKNOWN and a traceback; a string
+    ``INVALID_ARGUMENT`` with one line, not grpc's UNKNOWN and a traceback; without a valid
+    token they are ``UNAUTHENTICATED``, as REST's 401 comes before the body is read; a string
     ``parameters.timeout`` is refused as REST refuses it, deadline or not."""
     world, _, address = served
     metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
@@ -241,12 +242,16 @@ def test_a_malformed_message_is_invalid_argument_in_one_line(
     with caplog.at_level("WARNING"), grpc.insecure_channel(address) as channel:
         raw = channel.unary_unary(f"/{SERVICE}/ModelInfer")
         for payload in (b"\xff\xff\xff\xff", not_utf8_id):
-            for who in (metadata, ()):
+            with pytest.raises(grpc.RpcError) as refused:
+                raw(payload, metadata=metadata, timeout=30.0)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = refused.value.details()
+            assert "not a valid ModelInferRequest" in details and "\n" not in details
+            for who in ((), (("authorization", "Bearer nope"),)):
                 with pytest.raises(grpc.RpcError) as refused:
                     raw(payload, metadata=who, timeout=30.0)
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                details = refused.value.details()
-                assert "not a valid ModelInferRequest" in details and "\n" not in details
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "ModelInferRequest" not in refused.value.details()
         infer = channel.unary_unary(
             f"/{SERVICE}/ModelInfer",
             request_serializer=pb.ModelInferRequest.SerializeToString,
@@ -263,7 +268,7 @@ def test_a_malformed_message_is_invalid_argument_in_one_line(
             assert "parameters.timeout" in refused.value.details()
     assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]
     counts = world.app.state.services.requests.snapshot()
-    assert counts[("", 400)] == 4 and counts[("demo", 400)] == 2
+    assert counts[("", 400)] == 2 and counts[("", 401)] == 4 and counts[("demo", 400)] == 2
 
 
 def test_a_port_taken_after_the_check_is_a_warning_and_rest_serves_alone(
