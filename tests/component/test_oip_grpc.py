@@ -9,7 +9,10 @@ with the REST answer's message, counted for ``/metrics`` under the REST status.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import httpx
@@ -24,8 +27,10 @@ from controlplane.api.grpc_oip import (
     grpc_code,
 )
 from controlplane.errors import QueryFailedError
+from controlplane.serving.dispatcher import DispatcherSettings
 from tests.component.test_oip_routes import family_request, live_server
 from tests.component.test_serving import LARGE, SMALL, ApiWorld, row, world
+from tests.fake_worker import FakeWorker
 
 __all__ = ["world"]  # the fixture, imported for this module's tests
 
@@ -318,3 +323,109 @@ def test_a_request_past_the_apps_own_limit_is_refused_as_on_rest(
         assert answer.as_numpy("logits").shape == (256, 10)
     finally:
         client.close()
+
+
+# --- a query nobody waits for, and admission's refusal, over gRPC ---------------------------------
+
+
+@pytest.fixture
+def held(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
+    """gRPC beside the API over one fake worker (batch cap 1 in the demo's plan) that never
+    answers (``hang``): the first query holds it and what follows queues. Calls are held for
+    as long as the test may take. Yields (world, worker, gRPC host:port, REST URL)."""
+    listener = attach(world.app, "127.0.0.1", 0, world.settings.oip_body_max_bytes)
+    with live_server(world, [LARGE]) as ((worker,), address):
+        worker.hang = True
+        yield world, worker, f"127.0.0.1:{listener.port}", f"http://{address}"
+
+
+def _hold(world: ApiWorld, **settings: Any) -> None:
+    world.serving.settings = dataclasses.replace(
+        world.serving.settings,
+        dispatcher=DispatcherSettings(call_timeout_floor_s=60.0, idle_probe_s=None, **settings),
+    )
+
+
+def _queued(world: ApiWorld, url: str) -> tuple[int, dict[str, Any]]:
+    """The demo's queued queries and its totals (``GET /v1/apps/demo/serving``)."""
+    answer = httpx.get(f"{url}/v1/apps/demo/serving", headers=world.auth("viewer"), trust_env=False)
+    assert answer.status_code == 200, answer.text
+    status = answer.json()
+    return int(status["stages"][0]["queued_queries"]), dict(status["totals"])
+
+
+def _until(what: str, check: Any) -> None:
+    deadline = time.monotonic() + 20.0
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _model_infer(channel: grpc.Channel) -> Any:
+    return channel.unary_unary(
+        f"/{SERVICE}/ModelInfer",
+        request_serializer=pb.ModelInferRequest.SerializeToString,
+        response_deserializer=pb.ModelInferResponse.FromString,
+    )
+
+
+def _one_row(value: int) -> Any:
+    request = pb.ModelInferRequest(model_name="demo")
+    tensor = request.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    tensor.contents.fp32_contents.extend(row(value, 0.9))
+    return request
+
+
+def test_a_call_past_its_deadline_or_cancelled_costs_no_worker_call(
+    held: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """Over gRPC as over REST (docs/serving.md, "Overload without collapse"): a call whose
+    deadline passes while its query waits behind a busy worker is ``DEADLINE_EXCEEDED`` and its
+    query leaves the queue; so does the query of a call its client cancels; the worker never
+    sees either."""
+    world, worker, address, url = held
+    _hold(world, admission=False)
+    metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
+    with grpc.insecure_channel(address) as channel:
+        infer = _model_infer(channel)
+        first = infer.future(_one_row(1), metadata=metadata, timeout=60.0)
+        _until("the first query never reached the worker", lambda: worker.received == 1)
+        late = infer.future(_one_row(2), metadata=metadata, timeout=2.0)
+        _until("the query with a deadline never queued", lambda: _queued(world, url)[0] == 1)
+        with pytest.raises(grpc.RpcError) as expired:
+            late.result(timeout=30.0)
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _until("the expired query is still queued", lambda: _queued(world, url)[0] == 0)
+        cancelled = infer.future(_one_row(3), metadata=metadata, timeout=60.0)
+        _until("the query to cancel never queued", lambda: _queued(world, url)[0] == 1)
+        assert cancelled.cancel()
+        _until("the cancelled query is still queued", lambda: _queued(world, url)[0] == 0)
+        assert _queued(world, url)[1]["timed_out"] == 2
+        assert worker.received == 1  # only the first, held, query ever reached it
+        first.cancel()
+
+
+def test_admissions_refusal_is_resource_exhausted_with_retry_after(
+    held: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """REST's 429 over gRPC: ``RESOURCE_EXHAUSTED``, REST's message, the ``retry-after``
+    trailing metadata (seconds); the query never reaches a worker."""
+    world, worker, address, url = held
+    _hold(world, admission=True, max_queued_samples=1)  # room for one queued query
+    metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
+    with grpc.insecure_channel(address) as channel:
+        infer = _model_infer(channel)
+        first = infer.future(_one_row(1), metadata=metadata, timeout=60.0)
+        _until("the first query never reached the worker", lambda: worker.received == 1)
+        queued = infer.future(_one_row(2), metadata=metadata, timeout=60.0)
+        _until("the second query never queued", lambda: _queued(world, url)[0] == 1)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(_one_row(3), metadata=metadata, timeout=30.0)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "overloaded" in refused.value.details()
+        trailers = dict(refused.value.trailing_metadata() or ())
+        assert int(trailers["retry-after"]) >= 1
+        assert _queued(world, url)[1]["refused"] == 1
+        assert worker.received == 1
+        for call in (queued, first):
+            call.cancel()
