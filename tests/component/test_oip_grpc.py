@@ -54,7 +54,8 @@ def _status(call: object) -> str | None:
     """The gRPC status a tritonclient call raised, as its name (``StatusCode.NOT_FOUND``)."""
     with pytest.raises(InferenceServerException) as raised:
         call()  # type: ignore[operator]
-    return raised.value.status()
+    status: str | None = raised.value.status()
+    return status
 
 
 def test_tritonclient_grpc_health_metadata_and_inference(
