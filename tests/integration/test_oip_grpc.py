@@ -10,13 +10,18 @@ model's metadata is its signature, and a query's outputs are the REST ``/v2`` ro
 same query, and the model's own (onnxruntime in-process); an unknown model is ``NOT_FOUND``, a
 bad token ``UNAUTHENTICATED``, a wrong shape and a token outside the vocabulary (the model
 raises on it: REST's 422 ``query_rejected``) ``INVALID_ARGUMENT``, and the worker keeps serving.
+Poison queries among good ones, eight calls at once (batches of several): each poison query is
+``INVALID_ARGUMENT`` alone, every good one answered with the model's output, the worker healthy
+throughout and never taken out of matching.
 
 Everything is polled against deadlines; nothing is timed.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -27,7 +32,13 @@ from controlplane.api.grpc_oip import attach
 from controlplane.service.build import Service
 from tests.integration.conftest import ApiServer
 from tests.integration.test_byom import _cli, service
-from tests.integration.test_user_model_serving import APP, _serve
+from tests.integration.test_user_model_serving import (
+    APP,
+    IN_FLIGHT,
+    _queries,
+    _serve,
+    _serving_status,
+)
 
 __all__ = ["service"]  # the fixture, imported for this module's tests
 
@@ -129,5 +140,33 @@ def test_tritonclient_grpc_drives_a_user_onnx_model(
             # The worker keeps serving after the model raised on a query.
             again = client.infer(APP, _tokens(tokens), headers=headers).as_numpy(output)
             np.testing.assert_array_equal(again, scores)
+
+            # Poison queries among good ones, IN_FLIGHT calls at once (batches of several): each
+            # poison query fails alone, every good one is answered with the model's output.
+            rows, bads = _queries()
+            rows, bads = rows[:36], bads[:36]
+
+            def call(row: list[int]) -> Any:
+                try:
+                    given = _tokens(np.array([row], dtype=np.int64))
+                    return client.infer(APP, given, headers=headers).as_numpy(output)
+                except InferenceServerException as error:
+                    return error
+
+            with ThreadPoolExecutor(IN_FLIGHT) as pool:
+                answers = list(pool.map(call, rows))
+            serving = _serving_status(url, admin)
         finally:
             client.close()
+    for row, bad, answer in zip(rows, bads, answers, strict=True):
+        if bad:
+            assert isinstance(answer, InferenceServerException), answer
+            assert answer.status() == "StatusCode.INVALID_ARGUMENT", answer.message()
+            assert "out of" in answer.message(), answer.message()
+            continue
+        assert isinstance(answer, np.ndarray), answer
+        (own,) = session.run([output], {"tokens": np.array([row], dtype=np.int64)})
+        np.testing.assert_allclose(answer, own, rtol=1e-5, atol=1e-6)
+    (worker,) = serving["workers"]
+    assert worker["healthy"] and worker["last_error"] == "", worker
+    assert "worker_unhealthy" not in [d.kind for d in service.store.list_decisions(APP)]
