@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import urllib.error
 import urllib.request
@@ -124,8 +125,10 @@ def http_probe(
             return False
         busy = busy_of(body)  # as the dispatcher reads the agent's ready answer
         if busy is not None and busy.busy_s > stuck_after_s:
+            # Tenths, rounded up: whole seconds read "600 s, over 600 s" at 600.4 s.
+            ran_s = math.ceil(busy.busy_s * 10.0) / 10.0
             return (
-                f"its agent has run one batch for {busy.busy_s:.0f} s, over {stuck_after_s:g} s:"
+                f"its agent has run one batch for {ran_s:.1f} s, over {stuck_after_s:g} s:"
                 " its model is stuck on it; replaced"
             )
         # No field, or not a whole number: unknown (the agents of 2026-11-29 to 2026-12-06

@@ -25,6 +25,7 @@ Everything is polled against deadlines; nothing is timed.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -223,6 +224,8 @@ def test_a_worker_stuck_on_a_query_is_terminated_and_replaced(
             decision = _poll("terminate of the stuck worker", terminated, diagnose)
             assert decision["numbers"]["cause"] == "unresponsive", decision
             assert "its model is stuck" in decision["reason"], decision
+            ran = re.search(r"one batch for ([0-9.]+) s, over 3 s", decision["reason"])
+            assert ran is not None and float(ran.group(1)) > 3.0, decision  # reads past it
             assert decision["numbers"]["instance_ids"] == [out], decision
 
             def replaced() -> list[dict[str, Any]] | None:

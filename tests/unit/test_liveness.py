@@ -215,6 +215,7 @@ class _Agent(BaseHTTPRequestHandler):
             "ok": (200, json.dumps({"status": "ok", "protocol": WORKER_PROTOCOL})),
             "busy": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 42.0})),
             "stuck": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 700.25})),
+            "edge": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 600.004})),
             "idle": (200, json.dumps({"status": "ok", "busy": False, "busy_s": 0.0})),
             "older": (200, json.dumps({"status": "ok", "protocol": 1})),
             "unsaid": (200, json.dumps({"status": "ok"})),  # an agent of before the field
@@ -299,7 +300,11 @@ def test_the_http_probe_says_a_worker_stuck_on_a_batch_cannot_serve(
     agent.kind = "stuck"  # type: ignore[attr-defined]
     why = probe(instance("w", address=f"127.0.0.1:{port}"))
     assert isinstance(why, str), why
-    assert "one batch for 700 s, over 600 s" in why and why.endswith("replaced"), why
+    assert "one batch for 700.3 s, over 600 s" in why and why.endswith("replaced"), why
+    # Just past the bound, the age said reads past it (whole seconds read "600 s, over 600 s").
+    agent.kind = "edge"  # type: ignore[attr-defined]
+    why = probe(instance("w", address=f"127.0.0.1:{port}"))
+    assert isinstance(why, str) and "one batch for 600.1 s, over 600 s" in why, why
     for kind in ("busy", "idle"):
         agent.kind = kind  # type: ignore[attr-defined]
         assert probe(instance("w", address=f"127.0.0.1:{port}")) is True
