@@ -3,18 +3,21 @@ worker stuck on a batch"; docs/serving.md, "Failures").
 
 A real ``heteroplane serve`` (its serving process and the loops process it starts) on the local
 provisioner and SQLite, with ``worker_stuck_s`` of 6 s, ``worker_unresponsive_s`` of 2 s and a
-reconcile every 0.5 s, serves a TorchScript model through an app whose plan has one worker, under
-a budget that pays for one worker and not two. The model doubles the first three values of a
-row; a row whose first value is under -100 takes a slow path that waits at a gate (a named pipe,
-as in tests/integration/test_user_model_serving.py) the test opens only at its end: the model is
-stuck on that query while the worker's agent answers ``/health``, saying it is busy.
+reconcile every 0.5 s, serves a TorchScript model through an app whose plan has one worker
+(under a budget that pays for one, not two), then two (for two, not three). The model doubles
+the first three values of a row; a row whose first value is under -100 takes a slow path that
+waits at a gate (a named pipe, as in tests/integration/test_user_model_serving.py) the test
+opens only at its end: the model is stuck on that query while the worker's agent answers
+``/health``, saying it is busy.
 
-- the stuck query is answered 504 ``query_timeout`` (the call timed out, the worker answered its
-  probe: a slow query, not a lost worker), not left hanging;
+- the stuck query is answered 504 at its call's timeout (2 s: the call timed out, the worker
+  answered its probe; a slow query, not a lost worker), not left hanging;
+- meanwhile a good query is answered by the other worker, or with none, refused at once (503);
 - the reconciler's liveness probe finds the agent's batch older than ``worker_stuck_s`` and
   terminates its instance (a ``terminate`` decision of cause ``unresponsive`` whose reason says
-  the model is stuck), the worker's process is gone (SIGTERM, then SIGKILL: its batch never
-  ends), and a replacement is launched and runs;
+  the model is stuck and an age past the bound), the worker's process is gone and the local
+  provisioner's record of it too (SIGTERM: its agent stops after its drain time, the stuck
+  batch abandoned), and a replacement is launched and runs; the other worker is left alone;
 - the billed fleet, sampled all along, never exceeds the budget; no instance is left
   ``requested``;
 - good queries after the replacement runs are answered with the model's outputs.
