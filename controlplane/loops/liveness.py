@@ -25,9 +25,10 @@ finishing what it has). ``loading`` is an agent up whose models are not loaded y
 which the boot allowance above covers; ``failed`` (its models could not be loaded) is none.
 
 An answer whose ``busy_s`` (how long the agent's oldest batch has run, with ``busy`` true) is
-over ``stuck_after_s`` (:data:`DEFAULT_STUCK_AFTER_S`, 600 s) is a worker whose model is stuck on
-a query: the serving path keeps it out of matching while it says it is busy, so it serves
-nothing; it is a verdict at its first probe, like the next.
+over ``stuck_after_s`` (:data:`DEFAULT_STUCK_AFTER_S`, 600 s), and over its caller's timeout where
+the agent says it (``busy_timeout_s``: a batch its caller still waits for is not stuck), is a
+worker whose model is stuck on a query: the serving path keeps it out of matching while it says
+it is busy, so it serves nothing; it is a verdict at its first probe, like the next.
 
 An answer whose ``protocol`` is older than
 :data:`~provisioners.worker.oip.WORKER_PROTOCOL` is a worker that cannot serve this control plane
@@ -99,8 +100,8 @@ def http_probe(
     whether it answered (module docstring: ``status`` ``ok`` or ``stopping``, whatever the HTTP
     status), or why it cannot serve and is to be replaced: an agent whose ``protocol`` is older
     than :data:`~provisioners.worker.oip.WORKER_PROTOCOL` (an agent that says none answered), or
-    one whose oldest batch has run for over ``stuck_after_s`` (its ``busy_s``: a model stuck on
-    a query)."""
+    one whose oldest batch has run for over ``stuck_after_s`` and over its caller's timeout
+    where the agent says it (its ``busy_s`` and ``busy_timeout_s``: a model stuck on a query)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def probe(instance: ProvisionedInstance) -> bool | str:
@@ -124,11 +125,21 @@ def http_probe(
         if not isinstance(body, dict) or body.get("status") not in ("ok", "stopping"):
             return False
         busy = busy_of(body)  # as the dispatcher reads the agent's ready answer
-        if busy is not None and busy.busy_s > stuck_after_s:
+        # Stuck: past the limit, and past what its caller waits for it, where the agent says
+        # (a batch whose caller still waits is not stuck, whatever the limit: a limit under a
+        # call's timeout ended a slow query's worker mid-call, and the query, tried again,
+        # took out the next).
+        waited_s = (busy.timeout_s or 0.0) if busy is not None else 0.0
+        if busy is not None and busy.busy_s > max(stuck_after_s, waited_s):
             # Tenths, rounded up: whole seconds read "600 s, over 600 s" at 600.4 s.
             ran_s = math.ceil(busy.busy_s * 10.0) / 10.0
+            limit = (
+                f"{stuck_after_s:g} s"
+                if waited_s <= stuck_after_s
+                else f"its caller's timeout of {waited_s:g} s"
+            )
             return (
-                f"its agent has run one batch for {ran_s:.1f} s, over {stuck_after_s:g} s:"
+                f"its agent has run one batch for {ran_s:.1f} s, over {limit}:"
                 " its model is stuck on it; replaced"
             )
         # No field, or not a whole number: unknown (the agents of 2026-11-29 to 2026-12-06

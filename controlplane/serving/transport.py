@@ -82,11 +82,13 @@ _BODY_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
 @dataclass(frozen=True, slots=True)
 class WorkerBusy:
     """A worker's health answer: ready, but busy with ``in_flight`` batches, the oldest for
-    ``busy_s`` (the agent's ``/v2/health/ready`` says so; a server that does not is never
-    busy). What :meth:`WorkerTransport.health` answers instead of True for it."""
+    ``busy_s``, its caller waiting ``timeout_s`` for it (None: not said) (the agent's
+    ``/v2/health/ready`` says so; a server that does not is never busy). What
+    :meth:`WorkerTransport.health` answers instead of True for it."""
 
     in_flight: int
     busy_s: float
+    timeout_s: float | None = None
 
 
 class WorkerTransport(Protocol):
@@ -455,17 +457,25 @@ def answer_error(address: str, status: int, body: bytes, batch: int) -> WorkerCa
 
 def busy_of(document: object) -> WorkerBusy | None:
     """What a ready answer's body says of batches under way: the agent's ``"busy": true``
-    with ``in_flight`` and ``busy_s`` (numbers; 1 and 0 when missing or odd); None when not
-    busy or not said (a server that is not the agent)."""
+    with ``in_flight``, ``busy_s`` and ``busy_timeout_s`` (numbers; 1, 0 and None when
+    missing or odd); None when not busy or not said (a server that is not the agent)."""
     if not isinstance(document, dict) or document.get("busy") is not True:
         return None
     in_flight = document.get("in_flight")
-    busy_s = document.get("busy_s")
-    if not isinstance(busy_s, int | float) or isinstance(busy_s, bool) or not math.isfinite(busy_s):
-        busy_s = 0.0
+    busy_s = _number(document.get("busy_s"))
+    timeout_s = _number(document.get("busy_timeout_s"))
     return WorkerBusy(
-        in_flight if type(in_flight) is int and in_flight > 0 else 1, max(0.0, float(busy_s))
+        in_flight if type(in_flight) is int and in_flight > 0 else 1,
+        max(0.0, busy_s or 0.0),
+        timeout_s if timeout_s is not None and timeout_s > 0 else None,
     )
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a finite float; None when it is not a finite number (a bool is not)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _error_document(body: bytes) -> object:

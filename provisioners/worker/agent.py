@@ -21,10 +21,12 @@ Routes (every body is JSON, but an infer request's in binary tensors; every erro
 ``{"error": "one line"}``):
 
 - ``GET /v2/health/live``: 200 ``{"live": true}`` while the process serves HTTP.
-- ``GET /v2/health/ready``: 200 ``{"ready": true, "busy", "in_flight", "busy_s"}`` once the
-  models are loaded, else 503 ``{"ready": false, "status"}``. ``busy``: a batch is under way
-  (``in_flight`` batches, running or waiting for the one running; the oldest arrived
-  ``busy_s`` ago), which the dispatcher reads of a worker back from a timed-out call.
+- ``GET /v2/health/ready``: 200 ``{"ready": true, "busy", "in_flight", "busy_s",
+  "busy_timeout_s"}`` once the models are loaded, else 503 ``{"ready": false, "status"}``.
+  ``busy``: a batch is under way (``in_flight`` batches, running or waiting for the one
+  running; the oldest arrived ``busy_s`` ago, and its caller waits ``busy_timeout_s`` for it:
+  the request's ``parameters.timeout``, null without one), which the dispatcher reads of a
+  worker back from a timed-out call and the reconciler's liveness probe of a stuck one.
 - ``GET /v2/models/{m}``: 200 ``{"name", "versions": ["1"], "platform", "inputs", "outputs"}``
   (:func:`~provisioners.worker.oip.model_metadata`). ``GET /v2/models/{m}/ready``: 200
   ``{"name", "ready": true}``.
@@ -39,7 +41,8 @@ Routes (every body is JSON, but an infer request's in binary tensors; every erro
   "emulated", "emulated_ms" (the emulated type's latency for this batch, null when not
   emulated), "emulation_source"}}``.
 - ``GET /health``: 200 ``{"status": "ok", "instance_type", "models", "artifacts", "emulated",
-  "speed_factor", "uptime_s", "worker_id", "pid", "protocol", "busy", "in_flight", "busy_s"}``
+  "speed_factor", "uptime_s", "worker_id", "pid", "protocol", "busy", "in_flight", "busy_s",
+  "busy_timeout_s"}``
   (``busy`` and the others as ``/v2/health/ready``'s; ``protocol``: what it reads,
   :data:`~provisioners.worker.oip.WORKER_PROTOCOL`) once the models are loaded; 503 with
   ``status`` ``loading``, ``stopping`` or ``failed`` before or after (the local provisioner
@@ -114,6 +117,7 @@ from provisioners.worker.oip import (
     InferRequest,
     OipError,
     infer_response,
+    load_json,
     model_metadata,
     parse_infer_request,
     split_infer_body,
@@ -295,8 +299,9 @@ class WorkerAgent:
         self._batch_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._stats = {name: _ModelStats() for name in config.models}
-        # When each batch in flight (running, or waiting for the one running) arrived (clock).
-        self._arrivals: list[float] = []
+        # When each batch in flight (running, or waiting for the one running) arrived (clock),
+        # and how long its caller waits for it (s; None: not said).
+        self._arrivals: list[tuple[float, float | None]] = []
         self._idle = threading.Condition()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -328,12 +333,22 @@ class WorkerAgent:
 
     def busy(self) -> dict[str, Any]:
         """Whether a batch is under way: ``busy``, ``in_flight`` (batches running or waiting
-        for the one running) and ``busy_s`` (since the oldest of them arrived; 0 when none)."""
+        for the one running), ``busy_s`` (since the oldest of them arrived; 0 when none) and
+        ``busy_timeout_s`` (how long the oldest one's caller waits for it; None when it did not
+        say, or none is under way)."""
         with self._idle:
             in_flight = len(self._arrivals)
             oldest = min(self._arrivals, default=None)
-        busy_s = 0.0 if oldest is None else round(max(0.0, self._clock() - oldest), 3)
-        return {"busy": in_flight > 0, "in_flight": in_flight, "busy_s": busy_s}
+        if oldest is None:
+            busy_s, timeout_s = 0.0, None
+        else:
+            busy_s, timeout_s = round(max(0.0, self._clock() - oldest[0]), 3), oldest[1]
+        return {
+            "busy": in_flight > 0,
+            "in_flight": in_flight,
+            "busy_s": busy_s,
+            "busy_timeout_s": timeout_s,
+        }
 
     # --- routes ---------------------------------------------------------------------------------
 
@@ -412,14 +427,19 @@ class WorkerAgent:
                     body = with_binary_inputs(document, binary, runtime.signature)
                 else:
                     body = document  # parse_infer_request says what is wrong
+            elif isinstance(body, bytes):
+                # Decoded here, once: its parameters.timeout is read below as well (a JSON
+                # body's went unread: no bound on its rows alone, no timeout in health).
+                body = load_json(body)
             request = parse_infer_request(
                 body, runtime.signature, max_batch_size=self.config.max_batch_size
             )
         except OipError as error:
             raise RequestError(error.status, str(error)) from None
-        budget_s = rows_alone_budget_s(body)
+        timeout_s = caller_timeout_s(body)
+        budget_s = None if timeout_s is None else timeout_s / 2.0
         stop_s = None if budget_s is None else self._clock() + budget_s
-        arrived = self._clock()
+        arrived = (self._clock(), timeout_s)
         with self._idle:
             self._arrivals.append(arrived)
         try:
@@ -487,19 +507,20 @@ class WorkerAgent:
             ) from None
 
 
-def rows_alone_budget_s(document: object) -> float | None:
-    """How long a failed batch's rows may be run again alone: half the caller's timeout, the
-    request's ``parameters.timeout`` (microseconds, the protocol's way, which the dispatcher
-    sends with each batch: its call's timeout); None without one (no bound)."""
+def caller_timeout_s(document: object) -> float | None:
+    """How long the caller waits for the answer, s: the request's ``parameters.timeout``
+    (microseconds, the protocol's way, which the dispatcher sends with each batch: its call's
+    timeout); None without one (no bound). A failed batch's rows may be run again alone for
+    half of it; the health answers say it of the oldest batch under way."""
     parameters = document.get("parameters") if isinstance(document, Mapping) else None
     timeout = parameters.get("timeout") if isinstance(parameters, Mapping) else None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         return None
     try:
-        budget_s = float(timeout) / 1e6 / 2.0
+        timeout_s = float(timeout) / 1e6
     except OverflowError:  # a JSON integer past any float: no bound
         return None
-    return budget_s if math.isfinite(budget_s) and budget_s > 0 else None
+    return timeout_s if math.isfinite(timeout_s) and timeout_s > 0 else None
 
 
 def _rows_alone(
@@ -514,10 +535,10 @@ def _rows_alone(
     fails alone. The rows' outputs stacked when every one passes (the batch failed, its rows do
     not); else :class:`RequestError` naming the rows that fail (``failed_rows``), 422 when the
     inputs are at fault (some rows pass, or the model's error says so: :func:`input_at_fault`),
-    else 500. Past ``stop_s`` (on ``clock``; :func:`rows_alone_budget_s`) no more rows run: the
-    error names none, and the caller tries each of its queries alone. A slow model's batch of
-    hundreds of rows, run again row by row, outlasted the dispatcher's call: the worker was
-    taken for hung over a bad row."""
+    else 500. Past ``stop_s`` (on ``clock``; half of :func:`caller_timeout_s`) no more rows
+    run: the error names none, and the caller tries each of its queries alone. A slow model's
+    batch of hundreds of rows, run again row by row, outlasted the dispatcher's call: the worker
+    was taken for hung over a bad row."""
     n = request.batch_size
     failures: dict[int, Exception] = {0: error} if n == 1 else {}
     outputs: list[dict[str, np.ndarray]] = []

@@ -4,7 +4,11 @@ worker stuck on a batch"; docs/serving.md, "Failures").
 A real ``heteroplane serve`` (its serving process and the loops process it starts) on the local
 provisioner and SQLite, with ``worker_stuck_s`` of 6 s, ``worker_unresponsive_s`` of 2 s and a
 reconcile every 0.5 s, serves a TorchScript model through an app whose plan has one worker
-(under a budget that pays for one, not two), then two (for two, not three). The model doubles
+(under a budget that pays for one, not two), then two (for two, not three) with a
+``worker_stuck_s`` of 1 s, under the stuck call's timeout: the bound is then the caller's
+timeout, which the agent's health says (``busy_timeout_s``), so the worker is not ended while its
+call is still out (it was, and the query, tried again on the other worker, took that one out
+too: a 502 and both replaced). The model doubles
 the first three values of a row; a row whose first value is under -100 takes a slow path that
 waits at a gate (a named pipe, as in tests/integration/test_user_model_serving.py) the test
 opens only at its end: the model is stuck on that query while the worker's agent answers
@@ -13,11 +17,12 @@ opens only at its end: the model is stuck on that query while the worker's agent
 - the stuck query is answered 504 at its call's timeout (2 s: the call timed out, the worker
   answered its probe; a slow query, not a lost worker), not left hanging;
 - meanwhile a good query is answered by the other worker, or with none, refused at once (503);
-- the reconciler's liveness probe finds the agent's batch older than ``worker_stuck_s`` and
-  terminates its instance (a ``terminate`` decision of cause ``unresponsive`` whose reason says
-  the model is stuck and an age past the bound), the worker's process is gone and the local
-  provisioner's record of it too (SIGTERM: its agent stops after its drain time, the stuck
-  batch abandoned), and a replacement is launched and runs; the other worker is left alone;
+- the reconciler's liveness probe finds the agent's batch older than ``worker_stuck_s`` and its
+  caller's timeout and terminates its instance (a ``terminate`` decision of cause
+  ``unresponsive`` whose reason says the model is stuck and an age past the bound), the
+  worker's process is gone and the local provisioner's record of it too (SIGTERM: its agent
+  stops after its drain time, the stuck batch abandoned), and a replacement is launched and
+  runs; the other worker is left alone;
 - the billed fleet, sampled all along, never exceeds the budget; no instance is left
   ``requested``;
 - good queries after the replacement runs are answered with the model's outputs.
@@ -54,16 +59,13 @@ MODEL = "stuck-ts"
 TYPE = "emu.cpu.large"  # 0.1 USD/hr
 DEADLINE_S = 240.0
 POLL_S = 0.1
-# Past the stuck query's call timeout (2 s) and its probe (0.5 s) with room for a busy machine:
-# below them the worker would be ended while its call is still out (docs/service.md).
-STUCK_S = 6
 SETTINGS = {
     "provisioner": "local",
     "reconcile_s": "0.5",
     "worker_unresponsive_s": "2",
-    "worker_stuck_s": str(STUCK_S),
     "tuner_tick_s": "3600",  # the tuner leaves the one-worker fleet as planned
 }
+CALL_TIMEOUT_S = 2  # the stuck query's call: max(2 s, 10 x the 1 ms profile)
 
 T = TypeVar("T")
 
@@ -92,16 +94,21 @@ def _row(first: float) -> list[float]:
 
 
 @pytest.mark.parametrize(
-    ("workers", "rate_qps", "budget"),
+    ("workers", "rate_qps", "budget", "stuck_s"),
     [
-        (1, 1.0, 0.15),  # one worker paid for, not two: it goes before its replacement comes
-        (2, 1500.0, 0.25),  # the other worker serves meanwhile; two paid for, not three
+        # One worker paid for, not two: it goes before its replacement comes. The bound, 6 s,
+        # is past the call's timeout and its probe, with room for a busy machine.
+        (1, 1.0, 0.15, 6),
+        # The other worker serves meanwhile; two paid for, not three. The bound, 1 s, is under
+        # the call's timeout: the caller's timeout is the bound then.
+        (2, 1500.0, 0.25, 1),
     ],
 )
 def test_a_worker_stuck_on_a_query_is_terminated_and_replaced(
     workers: int,
     rate_qps: float,
     budget: float,
+    stuck_s: int,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -115,7 +122,7 @@ def test_a_worker_stuck_on_a_query_is_terminated_and_replaced(
     entry = {"model": MODEL, "instance_type": TYPE, "batch_sizes": [1], "latency_ms": [1.0]}
     profiles.write_text(json.dumps({"profiles": [entry]}))
 
-    server = Server(data_dir, tmp_path / "serve.log", **SETTINGS)
+    server = Server(data_dir, tmp_path / "serve.log", **SETTINGS, worker_stuck_s=str(stuck_s))
     costs: list[float] = []
     try:
         with _gate(gate):
@@ -200,7 +207,7 @@ def test_a_worker_stuck_on_a_query_is_terminated_and_replaced(
             # (the protocol's error, a text), at the call's timeout, not the give-up time.
             stuck = infer(-200.0)
             assert stuck.status_code == 504, stuck.text
-            assert "not answered within 2 s" in stuck.json()["error"], stuck.text
+            assert f"not answered within {CALL_TIMEOUT_S} s" in stuck.json()["error"], stuck.text
 
             def taken_out() -> str | None:
                 for decision in api.get(f"/v1/apps/{APP}/decisions?kind=worker_unhealthy").json():
@@ -230,8 +237,10 @@ def test_a_worker_stuck_on_a_query_is_terminated_and_replaced(
             decision = _poll("terminate of the stuck worker", terminated, diagnose)
             assert decision["numbers"]["cause"] == "unresponsive", decision
             assert "its model is stuck" in decision["reason"], decision
-            ran = re.search(rf"one batch for ([0-9.]+) s, over {STUCK_S} s", decision["reason"])
-            assert ran is not None and float(ran.group(1)) > STUCK_S, decision  # reads past it
+            bound_s = max(stuck_s, CALL_TIMEOUT_S)
+            over = f"{stuck_s} s" if stuck_s >= CALL_TIMEOUT_S else "its caller's timeout of 2 s"
+            ran = re.search(rf"one batch for ([0-9.]+) s, over {over}", decision["reason"])
+            assert ran is not None and float(ran.group(1)) > bound_s, decision  # reads past it
             assert decision["numbers"]["instance_ids"] == [out], decision
 
             def replaced() -> list[dict[str, Any]] | None:

@@ -216,6 +216,11 @@ class _Agent(BaseHTTPRequestHandler):
             "busy": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 42.0})),
             "stuck": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 700.25})),
             "edge": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 600.004})),
+            # Past the bound, its caller still waiting (a slow model's long call timeout).
+            "waited": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 700.25,
+                                        "busy_timeout_s": 900.0})),
+            "overdue": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 950.0,
+                                         "busy_timeout_s": 900.0})),
             "idle": (200, json.dumps({"status": "ok", "busy": False, "busy_s": 0.0})),
             "older": (200, json.dumps({"status": "ok", "protocol": 1})),
             "unsaid": (200, json.dumps({"status": "ok"})),  # an agent of before the field
@@ -305,9 +310,16 @@ def test_the_http_probe_says_a_worker_stuck_on_a_batch_cannot_serve(
     agent.kind = "edge"  # type: ignore[attr-defined]
     why = probe(instance("w", address=f"127.0.0.1:{port}"))
     assert isinstance(why, str) and "one batch for 600.1 s, over 600 s" in why, why
-    for kind in ("busy", "idle"):
+    # A batch its caller still waits for is not stuck, whatever the bound (a bound set under
+    # a call's timeout ended a slow query's worker mid-call, and the query, tried again, took
+    # out the next); past the caller's timeout it is, said against that timeout.
+    for kind in ("busy", "idle", "waited"):
         agent.kind = kind  # type: ignore[attr-defined]
-        assert probe(instance("w", address=f"127.0.0.1:{port}")) is True
+        assert probe(instance("w", address=f"127.0.0.1:{port}")) is True, kind
+    agent.kind = "overdue"  # type: ignore[attr-defined]
+    overdue = probe(instance("w", address=f"127.0.0.1:{port}"))
+    assert isinstance(overdue, str), overdue
+    assert "one batch for 950.0 s, over its caller's timeout of 900 s" in overdue, overdue
     liveness = Liveness(lambda worker: why, background=False, never_after_s=600.0)
     assert liveness.check([instance("a")], at(0.0)) == {"a": why}  # at its first probe
 

@@ -73,19 +73,20 @@ def test_a_family_batch_is_one_flat_fp32_tensor_in_binary_the_worker_parses() ->
 
 
 def test_a_batch_carries_the_calls_timeout_for_the_agent_to_budget_its_rows_alone() -> None:
-    # The agent runs a failed batch's rows again alone within half the call's timeout: the
-    # dispatcher sends it as the protocol's parameters.timeout (microseconds).
+    # The agent runs a failed batch's rows again alone within half the call's timeout (and its
+    # health says it of the oldest batch): the dispatcher sends it as the protocol's
+    # parameters.timeout (microseconds).
     body, header_length = ModelIO("tiny").encode([[0.5] * 64], timeout_s=2.0)
     document, _ = split_infer_body(body, str(header_length))
     assert document["parameters"] == {"timeout": 2_000_000}
-    assert agent.rows_alone_budget_s(document) == 1.0
+    assert agent.caller_timeout_s(document) == 2.0
     assert worker_reads((body, header_length)).batch_size == 1  # the worker takes it
     plain, length = ModelIO("tiny").encode([[0.5] * 64])
     assert "parameters" not in json.loads(plain[:length])
-    assert agent.rows_alone_budget_s(json.loads(plain[:length])) is None
+    assert agent.caller_timeout_s(json.loads(plain[:length])) is None
     # What a direct caller may send instead: no bound, never an error.
     for timeout in (10**400, -5, 0, True, "100", float("inf")):
-        assert agent.rows_alone_budget_s({"parameters": {"timeout": timeout}}) is None
+        assert agent.caller_timeout_s({"parameters": {"timeout": timeout}}) is None
 
 
 def test_several_inputs_numpy_rows_and_dynamic_dimensions_encode() -> None:

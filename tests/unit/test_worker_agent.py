@@ -716,7 +716,10 @@ def test_health_follows_the_lifecycle_and_only_a_ready_worker_serves() -> None:
     status, health = worker.health()
     assert (status, health["status"], health["models"]) == (200, "ok", ["tiny", "large"])
     assert health["artifacts"] == []
-    assert worker.ready() == (200, {"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0})
+    assert worker.ready() == (
+        200,
+        {"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0, "busy_timeout_s": None},
+    )
     assert worker.model_ready("tiny") == {"name": "tiny", "ready": True}
     assert worker.metadata("tiny")["inputs"] == [
         {"name": "input", "datatype": "FP32", "shape": [-1, 64]}
@@ -751,16 +754,18 @@ class Blocking(FakeRuntime):
 
 def test_health_says_whether_a_batch_is_under_way_and_since_when() -> None:
     """A batch running (and one waiting for it) make the agent busy in both health answers,
-    with the age of the oldest; once they end it is not. The dispatcher reads it of a worker
-    back from a timed-out call: busy, it is not sent work."""
+    with the age of the oldest and how long its caller waits for it (its
+    ``parameters.timeout``); once they end it is not. The dispatcher reads it of a worker back
+    from a timed-out call: busy, it is not sent work; the liveness probe of a stuck one."""
     times = FakeTime(compute_ms=1.0)
     worker = ready_agent(times, Emulation("emu.cpu.small", None))
     model = Blocking(times)
     worker.set_models({"tiny": model})
-    idle = {"busy": False, "in_flight": 0, "busy_s": 0.0}
+    idle = {"busy": False, "in_flight": 0, "busy_s": 0.0, "busy_timeout_s": None}
     assert worker.ready() == (200, {"ready": True, **idle})
     with ThreadPoolExecutor(2) as pool:
-        first = pool.submit(worker.infer, "tiny", infer_body(1))
+        timed = infer_body(1, parameters={"timeout": 4_000_000})  # 4 s, in microseconds
+        first = pool.submit(worker.infer, "tiny", timed)
         deadline = time.monotonic() + 30.0
         while worker.ready()[1]["in_flight"] < 1:
             assert time.monotonic() < deadline, "the batch never started"
@@ -770,7 +775,7 @@ def test_health_says_whether_a_batch_is_under_way_and_since_when() -> None:
         while worker.ready()[1]["in_flight"] < 2:
             assert time.monotonic() < deadline, "the second batch never arrived"
             time.sleep(0.01)
-        busy = {"busy": True, "in_flight": 2, "busy_s": 2.5}
+        busy = {"busy": True, "in_flight": 2, "busy_s": 2.5, "busy_timeout_s": 4.0}
         assert worker.ready() == (200, {"ready": True, **busy})
         status, health = worker.health()
         assert status == 200 and {k: health[k] for k in busy} == busy
@@ -821,7 +826,7 @@ def test_http_routes_and_their_errors(server: str) -> None:
     assert call(f"{server}/v2/health/live") == (200, {"live": True})
     assert call(f"{server}/v2/health/ready") == (
         200,
-        {"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0},
+        {"ready": True, "busy": False, "in_flight": 0, "busy_s": 0.0, "busy_timeout_s": None},
     )
     assert call(f"{server}/v2/models/tiny/ready") == (200, {"name": "tiny", "ready": True})
     status, metadata = call(f"{server}/v2/models/tiny")
