@@ -482,7 +482,7 @@ class LiveTuner:
                     tuned.rebuild = True
                 else:
                     fresh.stages = [
-                        _recalibrated(new, old)
+                        _recalibrated(new, old, tuned.config.planned_peak_rate_qps)
                         for new, old in zip(fresh.stages, tuned.stages, strict=True)
                     ]
                     fresh.state, fresh.capped = tuned.state, tuned.capped
@@ -1236,17 +1236,30 @@ def _slower(new: Sequence[TunerStage], old: Sequence[TunerStage]) -> bool:
     )
 
 
-def _recalibrated(new: TunerStage, old: TunerStage) -> TunerStage:
-    """A stage set up again on recalibrated profiles (``new``), keeping what the plan meant:
-    its capacity in qps (each planned type's count scaled by old mu_t / new mu_t, rounded up, so
-    the tuner restores a plan the slower instances no longer carry) and its headroom rho_m."""
+def _recalibrated(new: TunerStage, old: TunerStage, peak_qps: float) -> TunerStage:
+    """A stage set up again on recalibrated profiles (``new``), keeping what the plan meant: the
+    capacity in qps its planned load needs at the plan's whole-instance headroom rho_m
+    (:func:`_whole_rho`), at most its planned capacity (each planned type's count scaled by
+    that share of it and by old mu_t / new mu_t, rounded up, never below the plan's count, so
+    the tuner restores a plan the slower instances no longer carry), and that rho_m. A plan of
+    one instance far over its load (rho 0.007: a planned peak of 15 qps on an instance serving
+    2,300) kept all of its capacity in qps, and a drift of 4x bought three more instances for an
+    app planned at 5 qps."""
+    rho = _whole_rho(old, peak_qps)
+    planned = old.planned_capacity_qps
+    share = min(1.0, peak_qps * old.scale_factor / rho / planned) if planned > 0.0 else 1.0
     fleet = {
-        t: math.ceil(n * old.rate_per_instance_qps[t] / new.rate_per_instance_qps[t] - 1e-9)
+        t: max(
+            n,
+            math.ceil(
+                n * share * old.rate_per_instance_qps[t] / new.rate_per_instance_qps[t] - 1e-9
+            ),
+        )
         if t in old.rate_per_instance_qps and t in new.rate_per_instance_qps
         else n
         for t, n in new.fleet.items()
     }
-    return dataclasses.replace(new, fleet=fleet, utilisation_target=old.utilisation_target)
+    return dataclasses.replace(new, fleet=fleet, utilisation_target=rho)
 
 
 def _planned_envelope(

@@ -450,6 +450,33 @@ def test_a_recalibrated_profile_reaches_the_tuner_at_its_next_tick(
     assert tuner.desired_fleet(store.get_app(APP))[SMALL] > 2
 
 
+def test_a_recalibration_keeps_what_the_load_needs_of_a_plan_far_over_it(
+    store: Store, tmp_path: Path
+) -> None:
+    """A plan of one instance far over its load (2 qps on an instance serving 50) does not keep
+    all its capacity in qps after a drift: found 4x as slow (12.5 qps), the instance still
+    carries the load many times over, and the tuner buys nothing. Live, an app planned at 5 qps
+    on an instance serving 2,300 drifted 4x at its first queries and bought three more."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    applied(store, tmp_path, count=1, rate_qps=2.0, budget=0.5)
+    factors: dict[tuple[str, str], float] = {}
+
+    def recalibrated(record: AppRecord) -> Any:
+        return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
+
+    tuner = LiveTuner(store, clock, feed, recalibrated, model="inferline")
+    feed.arrival_s = steady(2.0, 940.0, 1000.0)
+    assert tuner.tick() == []
+    factors[("tiny", SMALL)] = 4.0  # 80 ms per query, not 20
+    tuner.recalibrate(APP)
+    for step in range(1, 13):
+        clock.advance(5.0)
+        feed.arrival_s = steady(2.0, 940.0 + 5 * step, 1000.0 + 5 * step)
+        tuner.tick()
+    assert reasons(store, "scale_up") == []
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 1}
+
+
 def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
