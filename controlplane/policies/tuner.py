@@ -1436,7 +1436,10 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
     cost_target = _fleet_cost(target, prices)
     extra = _fleet_cost(lacking, prices)
     affordable = tick.cost_usd_per_hr + extra <= config.budget_usd_per_hr + _COST_SLACK_USD_PER_HR
-    if cost_target <= cost_now * (1.0 - MIX_CHANGE_SAVING_SHARE) and affordable:
+    # A mix that costs nothing saves nothing: $0 against $0 (a free type, local.cpu) passed the
+    # share, and a scale-down that read a blip bought the larger fleet the need gave.
+    saves = cost_now > 0.0 and cost_target <= cost_now * (1.0 - MIX_CHANGE_SAVING_SHARE)
+    if saves and affordable:
         for name, count in sorted(lacking.items()):
             tick.launch(
                 plan,
@@ -1448,7 +1451,7 @@ def _scale_down_ladder(tick: _Tick, plan: TunerStage, needed_qps: float, why: st
                 f"({_fleet_text(surplus)}) stops once it serves",
             )
         return True
-    if cost_target <= cost_now * (1.0 - MIX_CHANGE_SAVING_SHARE):
+    if saves:
         step = _mix_step(tick, plan, needed_qps, lacking, cost_now)
         if step is not None:
             added, cost_after = step

@@ -445,3 +445,23 @@ def test_load_that_comes_in_recurring_bursts_is_read_as_its_rate() -> None:
     sustained = re.search(r"sustained load x([0-9.]+) \(window 60 s\)", up.reason)
     assert sustained is not None, up.reason
     assert float(sustained.group(1)) == pytest.approx(2.0, rel=0.05), up.reason
+
+
+def test_a_free_type_makes_no_mix_change_out_of_a_scale_down() -> None:
+    """A mix change must save a share of the stage's cost; on a type that costs nothing (the
+    local provisioner's ``local.cpu``) $0 against $0 passed as a saving, and the scale-down,
+    which reads the whole envelope (a blip in it), bought what the sizing model's fleet had more
+    of as a "mix change": live, 56 queries in a second on an app planned at 5 qps added an
+    instance a minute later. The scale-down keeps the fleet instead."""
+    prices = {"loc": 0.0}
+    plan = stage(
+        ((1.0, {"loc": 1}), (2.0, {"loc": 2}), (4.0, {"loc": 4})), {"loc": 1}, {"loc": 40.0}
+    )
+    cfg = dataclasses.replace(minute_config(), prices_usd_per_hr=prices, boot_s={"loc": 30.0})
+    traffic = 40.0 + np.arange(60 * 16) / 16.0
+    blip = 99.0 + np.arange(140) / 140.0
+    arrivals = np.sort(np.concatenate([traffic, blip]))
+    state = TunerState(fleets={"m": Fleet.of({"loc": 1})}, last_change_s=0.0, started_s=0.0)
+    decisions, after = tune(arrivals, 100.0, state, [plan], cfg)
+    assert [d.reason for d in decisions if d.action == "scale_up"] == []
+    assert dict(after.fleets["m"]) == {"loc": 1}
