@@ -19,9 +19,10 @@ from controlplane.cli.common import (
     parse_fleet,
     positive,
 )
-from controlplane.cli.output import emit, progress
+from controlplane.cli.output import UsageError, emit, progress
 from estimator.batches import parse_batch_distribution
 from estimator.capacity import MAX_PROBE_QUERIES, Workload, fleet_capacity
+from estimator.errors import BatchSizeOutOfRangeError
 from estimator.policies import full_range_types
 
 
@@ -37,9 +38,19 @@ def run(args: argparse.Namespace) -> int:
     prices = {name: catalog.price_usd_per_hr(name) for name in fleet}
     rng = np.random.default_rng(args.seed)
     sizes = parse_batch_distribution(args.batch_dist).sample(args.queries, rng)
-    for profile in model_profiles.values():
-        profile.check_batch_size(int(sizes.min()))
-        profile.check_batch_size(int(sizes.max()))
+    try:
+        for profile in model_profiles.values():
+            profile.check_batch_size(int(sizes.min()))
+            profile.check_batch_size(int(sizes.max()))
+    except BatchSizeOutOfRangeError as error:
+        # The default mix is Kairos' (1-1,000 samples a query): a profile measured on small
+        # batches (the demo's, 1..8) refused it without saying which option to change.
+        raise UsageError(
+            f"--batch-dist {args.batch_dist}: draws batch size {error.batch_size}, outside the"
+            f" profile of {error.model} on {error.instance_type} (measured"
+            f" {error.low}..{error.high}); give a mix within it, e.g. --batch-dist"
+            f" fixed:{error.low}"
+        ) from None
     cost = sum(prices[name] * count for name, count in fleet.items())
     found = fleet_capacity(
         model_profiles,

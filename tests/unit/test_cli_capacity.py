@@ -77,3 +77,20 @@ def test_a_capacity_without_bound_says_why(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
     assert "the capacity is unbounded at this QoS" in err, err
+
+
+def test_a_batch_mix_outside_the_profile_names_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default mix (Kairos', up to 1,000 samples a query) against a profile measured on
+    batches 10..100: one line naming ``--batch-dist`` and a mix within the profile, where it
+    said only that a batch size was outside it."""
+    profiles = write_profiles(tmp_path / "p.csv")
+    args = ["capacity", "--profiles", str(profiles), "--model", "m"]
+    args += ["--fleet", "g4dn.xlarge=1", "--qos-ms", "80", "--queries", "200"]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--batch-dist kairos: draws batch size" in err, err
+    assert "(measured 10..100); give a mix within it, e.g. --batch-dist fixed:10" in err, err
