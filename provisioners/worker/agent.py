@@ -338,7 +338,9 @@ class WorkerAgent:
         say, or none is under way)."""
         with self._idle:
             in_flight = len(self._arrivals)
-            oldest = min(self._arrivals, default=None)
+            # By arrival alone: two on the same clock reading compared their timeouts, a
+            # number against None (a TypeError, no health answer).
+            oldest = min(self._arrivals, key=lambda arrival: arrival[0], default=None)
         if oldest is None:
             busy_s, timeout_s = 0.0, None
         else:

@@ -786,6 +786,36 @@ def test_health_says_whether_a_batch_is_under_way_and_since_when() -> None:
     assert {k: worker.health()[1][k] for k in idle} == idle
 
 
+def test_health_answers_when_two_batches_arrive_at_the_same_instant() -> None:
+    """Two batches in flight that arrived on the same clock reading, one whose caller said no
+    timeout and one that did: health still answers, with the first one's (the batches'
+    arrivals had been compared whole, a timeout against None: a TypeError, no health answer)."""
+    times = FakeTime(compute_ms=1.0)
+    worker = ready_agent(times, Emulation("emu.cpu.small", None))
+    model = Blocking(times)
+    worker.set_models({"tiny": model})
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(worker.infer, "tiny", infer_body(1))  # no timeout said
+        deadline = time.monotonic() + 30.0
+        while worker.ready()[1]["in_flight"] < 1:
+            assert time.monotonic() < deadline, "the batch never started"
+            time.sleep(0.01)
+        timed = infer_body(1, parameters={"timeout": 4_000_000})  # same instant: the clock stays
+        second = pool.submit(worker.infer, "tiny", timed)
+        try:
+            while worker.busy()["in_flight"] < 2:
+                assert time.monotonic() < deadline, "the second batch never arrived"
+                time.sleep(0.01)
+            busy = {"busy": True, "in_flight": 2, "busy_s": 0.0, "busy_timeout_s": None}
+            assert worker.ready() == (200, {"ready": True, **busy})
+            status, health = worker.health()
+            assert status == 200 and {k: health[k] for k in busy} == busy
+        finally:
+            model.go.set()
+        first.result(30.0)
+        second.result(30.0)
+
+
 # --- HTTP, in-process -----------------------------------------------------------------------------
 
 
