@@ -552,12 +552,18 @@ def _subject(decision: Mapping[str, Any]) -> str:
     state and step too, where its numbers say them: each move of a rollout (profiled, a step
     passed, promoted) is a line of its own, and only a run of decisions in one state at one
     step (a wait said again) collapses; until 2026-12-07 a whole rollout read as one line, its
-    last move's.
+    last move's. The loop's moves in one state at one step (pending: profiled, its instances
+    granted, timed alone; promoted: the handover done, planned again) are told from its waits
+    by ``numbers.wait`` (false: a move, its reason part of the subject, so that it folds only
+    with itself made again); a decision without it (before 2026-12-07) folds by state and step.
 
     >>> _subject({"numbers": {"rollout_id": 3}}), _subject({"numbers": {"stage": "large"}})
     ('rollout 3', 'stage large')
-    >>> _subject({"numbers": {"rollout_id": 3, "state": "canary", "step_index": 1}})
-    'rollout 3 canary 1'
+    >>> _subject({"numbers": {"rollout_id": 3, "state": "running", "step_index": 1}})
+    'rollout 3 running 1'
+    >>> _subject({"numbers": {"rollout_id": 3, "state": "promoted", "step_index": 1,
+    ...     "wait": False}, "reason": "rollout 3: handover done"})
+    'rollout 3 promoted 1: rollout 3: handover done'
     """
     numbers = decision.get("numbers") or {}
     if not isinstance(numbers, Mapping):
@@ -565,7 +571,8 @@ def _subject(decision: Mapping[str, Any]) -> str:
     rollout = numbers.get("rollout_id")
     if rollout is not None:
         moved = [str(numbers[key]) for key in ("state", "step_index") if key in numbers]
-        return " ".join([f"rollout {rollout}", *moved])
+        subject = " ".join([f"rollout {rollout}", *moved])
+        return f"{subject}: {decision.get('reason')}" if numbers.get("wait") is False else subject
     stage = _stage(decision)
     return "" if stage is None else f"stage {stage}"
 

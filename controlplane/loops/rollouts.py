@@ -931,7 +931,7 @@ class RolloutLoop:
         fresh = rollout.reason != reason
         self.store.move_rollout(rollout, reason=reason, figures=figures)
         if fresh:
-            self._decide(rollout, reason)
+            self._decide(rollout, reason, wait=True)
 
     def _pin(self, rollout: RolloutRecord) -> str:
         """The app's spec names the new version (registering pinned the old one); the app's
@@ -1113,8 +1113,15 @@ class RolloutLoop:
         return moved
 
     def _decide(
-        self, rollout: RolloutRecord, reason: str, figures: dict[str, Any] | None = None
+        self,
+        rollout: RolloutRecord,
+        reason: str,
+        figures: dict[str, Any] | None = None,
+        *,
+        wait: bool = False,
     ) -> None:
+        """A ``rollout`` decision: ``wait`` (``numbers.wait``) says it holds the rollout where
+        it is, else it is a move, so that ``heteroplane events`` folds only waits together."""
         self.store.record_decision(
             rollout.app,
             DECISION_KIND,
@@ -1124,6 +1131,7 @@ class RolloutLoop:
                 "state": rollout.state,
                 "step_index": rollout.step_index,
                 "step_share": rollout.step_share,
+                "wait": wait,
                 "figures": figures or {},
             },
         )

@@ -241,6 +241,34 @@ def test_a_rollouts_moves_are_lines_of_their_own(
         assert what in line and "x over" not in line, out
 
 
+def test_a_rollouts_moves_in_one_state_and_step_are_lines_of_their_own(
+    service: Service, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rollout loop's moves share a state and step (``pending`` 0: profiled, granted,
+    timed alone; ``promoted``: promoted, the handover done, planned again): each is a line,
+    and only its waits (``numbers.wait``) in one state at one step fold. They had folded into
+    one line showing the last (the promotion hidden behind the plan made after it)."""
+    moves = (
+        ("pending", True, "waiting for the budget: 0.3 USD/hr"),
+        ("pending", True, "waiting for the budget: 0.2 USD/hr"),
+        ("pending", False, "profiled before traffic"),
+        ("pending", False, "step 1's extra instances granted"),
+        ("pending", False, "timed alone before traffic"),
+        ("running", False, "workers of the new version running"),
+        ("promoted", False, "promoted: thresholds held"),
+        ("promoted", False, "handover done"),
+        ("promoted", False, "planned again with the new version"),
+    )
+    made = [
+        (1, what, {"state": state, "step_index": 0, "wait": wait}) for state, wait, what in moves
+    ]
+    lines, out = rollout_lines(service, capsys, "steps", made)
+    assert len(lines) == 8, out
+    assert "2x over 1.0 s" in lines[0] and "0.2 USD/hr" in lines[0], out
+    for line, (_, _, what) in zip(lines[1:], moves[2:], strict=True):
+        assert what in line and "x over" not in line, out
+
+
 def test_a_kind_no_event_has_names_the_kinds_the_log_has(
     service: Service, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -846,6 +846,13 @@ def test_the_extra_fleet_grows_step_by_step_within_the_budget(tmp_path: Path) ->
         assert f"over the budget of {2.5 * price:g} USD/hr" in waited[0]
         (said,) = moved
         assert said.startswith("step 1 passed") and f"grow to {SMALL}=4" in said
+        # The wait says it is one (numbers.wait), the move that it is not: `heteroplane
+        # events` folds only a rollout's waits together, not its moves in one state and step.
+        decided = world.store.list_decisions(APP, kinds=["rollout"])
+        assert [d.numbers["wait"] for d in decided if "waiting for the budget" in d.reason] == [
+            True
+        ]
+        assert [d.numbers["wait"] for d in decided if "step 1 passed" in d.reason] == [False]
         rollout = world.state(rid)
         assert rollout.step_index == 1 and rollout.settings["extra_fleet"] == {SMALL: 4}
         assert world.rollouts.route(APP) is None  # until the three new workers run
