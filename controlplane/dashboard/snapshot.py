@@ -710,18 +710,31 @@ def _cascade_section(
     }
 
 
-def _subject_of(decision: Mapping[str, Any]) -> tuple[Any, Any]:
-    """What a decision is about, where its numbers say: its rollout (``rollout_id``) and its
-    stage (``stage``: a cascade's tuner decides per model); (None, None) else."""
+def _subject_of(decision: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a decision is about, where its numbers say: its rollout (``rollout_id``), with its
+    ``state`` and ``step_index``, and its reason where it is a move (``wait`` false: only the
+    rollout loop's waits in one state at one step fold, as in ``heteroplane events``), and its
+    stage (``stage``: a cascade's tuner decides per model); Nones else."""
     numbers = decision.get("numbers")
     if not isinstance(numbers, Mapping):
-        return (None, None)
-    return (numbers.get("rollout_id"), numbers.get("stage"))
+        return (None, None, None, None, None)
+    rollout = numbers.get("rollout_id")
+    moved = (
+        (
+            str(numbers.get("state")),
+            str(numbers.get("step_index")),
+            str(decision.get("reason")) if numbers.get("wait") is False else None,
+        )
+        if rollout is not None
+        else (None, None, None)
+    )
+    return (rollout, numbers.get("stage"), *moved)
 
 
 def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Consecutive decisions of one kind, and of one rollout where they are a rollout's and of
-    one stage where they are a cascade's tuner's (newest first, as :func:`_decision` shapes them)
+    """Consecutive decisions of one kind, and of one rollout's state and step where they are a
+    rollout's waits (each of its moves its own entry: :func:`_subject_of`) and of one stage
+    where they are a cascade's tuner's (newest first, as :func:`_decision` shapes them)
     as one
     entry, so that a burst of gear switches does not hide the scaling decisions around it: the
     newest one's id, reason and numbers, ``run`` (how many decisions), ``count`` (how many times

@@ -313,6 +313,35 @@ def test_a_run_of_repeated_decisions_shows_the_newest_time_of_any_of_them(dash: 
     assert capped["last_t"] == made_last.timestamp()
 
 
+def test_a_rollouts_moves_are_entries_of_their_own_and_its_waits_fold(dash: Dash) -> None:
+    """The rollout loop's decisions say whether they hold it (``numbers.wait``): its waits in
+    one state at one step are one entry, each move one of its own, as ``heteroplane events``
+    shows them (a whole rollout had been one entry showing its last move)."""
+    _apply_plan(dash)
+    made = (
+        ("pending", True, "waiting for the budget: 0.3 USD/hr"),
+        ("pending", True, "waiting for the budget: 0.2 USD/hr"),
+        ("pending", False, "profiled before traffic"),
+        ("running", False, "workers of the new version running"),
+        ("promoted", False, "promoted: thresholds held"),
+        ("promoted", False, "handover done"),
+    )
+    for state, wait, what in made:
+        numbers = {"rollout_id": 1, "state": state, "step_index": 0, "wait": wait}
+        dash.store.record_decision("toy", "rollout", f"rollout 1: {what}", numbers)
+        dash.clock.advance(1.0)
+    dash.sign_in()
+    decisions = [d for d in dash.data()["snapshot"]["decisions"] if d["kind"] == "rollout"]
+    shown = [(d["reason"].removeprefix("rollout 1: "), d["run"]) for d in decisions]
+    assert shown == [
+        ("handover done", 1),
+        ("promoted: thresholds held", 1),
+        ("workers of the new version running", 1),
+        ("profiled before traffic", 1),
+        ("waiting for the budget: 0.2 USD/hr", 2),
+    ], shown
+
+
 def test_the_snapshot_of_an_app_at_work(dash: Dash) -> None:
     plan = _apply_plan(dash)
     start = dash.clock.utcnow()
