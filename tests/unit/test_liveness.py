@@ -217,10 +217,18 @@ class _Agent(BaseHTTPRequestHandler):
             "stuck": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 700.25})),
             "edge": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 600.004})),
             # Past the bound, its caller still waiting (a slow model's long call timeout).
-            "waited": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 700.25,
-                                        "busy_timeout_s": 900.0})),
-            "overdue": (200, json.dumps({"status": "ok", "busy": True, "busy_s": 950.0,
-                                         "busy_timeout_s": 900.0})),
+            "waited": (
+                200,
+                json.dumps(
+                    {"status": "ok", "busy": True, "busy_s": 700.25, "busy_timeout_s": 900.0}
+                ),
+            ),
+            "overdue": (
+                200,
+                json.dumps(
+                    {"status": "ok", "busy": True, "busy_s": 950.0, "busy_timeout_s": 900.0}
+                ),
+            ),
             "idle": (200, json.dumps({"status": "ok", "busy": False, "busy_s": 0.0})),
             "older": (200, json.dumps({"status": "ok", "protocol": 1})),
             "unsaid": (200, json.dumps({"status": "ok"})),  # an agent of before the field
