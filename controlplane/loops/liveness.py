@@ -71,6 +71,10 @@ DEFAULT_AFTER_S = 60.0
 # while it says it is busy, so it would stay paid for and serve nothing (docs/provisioners.md,
 # "Workers that stop answering"). Ten minutes: far past any batch's call timeout.
 DEFAULT_STUCK_AFTER_S = 600.0
+# The longest caller's timeout the probe waits out (the agent's ``busy_timeout_s``): the
+# dispatcher's own calls time out in seconds to minutes, but a direct caller of an agent may
+# send any timeout, and 10^12 us would have kept a stuck worker for 11 days.
+MAX_CALLER_WAIT_S = 3600.0
 DEFAULT_PROBE_TIMEOUT_S = 2.0
 MAX_PARALLEL_PROBES = 16
 # At least this many unanswered probes in a row, whatever after_s (a setting below the
@@ -129,15 +133,16 @@ def http_probe(
         # (a batch whose caller still waits is not stuck, whatever the limit: a limit under a
         # call's timeout ended a slow query's worker mid-call, and the query, tried again,
         # took out the next).
-        waited_s = (busy.timeout_s or 0.0) if busy is not None else 0.0
+        waited_s = min(busy.timeout_s or 0.0, MAX_CALLER_WAIT_S) if busy is not None else 0.0
         if busy is not None and busy.busy_s > max(stuck_after_s, waited_s):
             # Tenths, rounded up: whole seconds read "600 s, over 600 s" at 600.4 s.
             ran_s = math.ceil(busy.busy_s * 10.0) / 10.0
-            limit = (
-                f"{stuck_after_s:g} s"
-                if waited_s <= stuck_after_s
-                else f"its caller's timeout of {waited_s:g} s"
-            )
+            if waited_s <= stuck_after_s:
+                limit = f"{stuck_after_s:g} s"
+            elif waited_s < MAX_CALLER_WAIT_S:
+                limit = f"its caller's timeout of {waited_s:g} s"
+            else:
+                limit = f"{waited_s:g} s, the longest caller's timeout waited out"
             return (
                 f"its agent has run one batch for {ran_s:.1f} s, over {limit}:"
                 " its model is stuck on it; replaced"

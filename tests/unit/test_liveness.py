@@ -223,6 +223,11 @@ class _Agent(BaseHTTPRequestHandler):
                     {"status": "ok", "busy": True, "busy_s": 700.25, "busy_timeout_s": 900.0}
                 ),
             ),
+            # A direct caller's timeout of 10^12 us: waited out for an hour at most.
+            "forever": (
+                200,
+                json.dumps({"status": "ok", "busy": True, "busy_s": 3700.0, "busy_timeout_s": 1e6}),
+            ),
             "overdue": (
                 200,
                 json.dumps(
@@ -328,6 +333,10 @@ def test_the_http_probe_says_a_worker_stuck_on_a_batch_cannot_serve(
     overdue = probe(instance("w", address=f"127.0.0.1:{port}"))
     assert isinstance(overdue, str), overdue
     assert "one batch for 950.0 s, over its caller's timeout of 900 s" in overdue, overdue
+    agent.kind = "forever"  # type: ignore[attr-defined]
+    forever = probe(instance("w", address=f"127.0.0.1:{port}"))
+    assert isinstance(forever, str), forever
+    assert "for 3700.0 s, over 3600 s, the longest caller's timeout waited out" in forever, forever
     liveness = Liveness(lambda worker: why, background=False, never_after_s=600.0)
     assert liveness.check([instance("a")], at(0.0)) == {"a": why}  # at its first probe
 
