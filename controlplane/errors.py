@@ -250,8 +250,8 @@ class ProfilingBudgetError(ConflictError):
         if others_usd_per_hr > 0:
             beside = (
                 f"the app's {fleet_usd_per_hr:.4g} USD/hr ({others_usd_per_hr:.4g} USD/hr of it"
-                " other profile runs' or rollouts' workers, ended with their run or once it is not"
-                " heard of)"
+                " the workers of other profile runs, a rollout's among them, ended with their"
+                " run or once it is not heard of)"
             )
         # What does not fit, without the advice (a rollout's wait quotes it: a rollout profiles
         # the types its plan needs, and takes no --types).

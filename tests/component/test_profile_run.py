@@ -412,9 +412,9 @@ def test_a_refusal_names_the_other_profile_workers_beside_the_fleet(world: World
     with pytest.raises(ProfilingBudgetError) as refused:
         profile(world, types=(SMALL,))
     assert refused.value.fleet_usd_per_hr == pytest.approx(2 * small)
-    assert f"on top of the app's {2 * small:.4g} USD/hr ({small:.4g} USD/hr of it other" in str(
-        refused.value
-    )
+    said = str(refused.value)
+    assert f"on top of the app's {2 * small:.4g} USD/hr ({small:.4g} USD/hr of it the" in said
+    assert "the workers of other profile runs, a rollout's among them" in said
     assert world.provisioner.requests == []
     # Without them, the fleet alone, as before.
     (rollouts,) = [r for r in world.store.list_instances(APP) if r.request_id != "r-1"]

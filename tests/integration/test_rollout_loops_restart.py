@@ -271,7 +271,7 @@ def test_a_loops_process_killed_mid_rollout_resumes_it(
         # Where the second profile run waited for the dead run's worker to be ended (the loops
         # process started again within its 4 s), the wait says that worker is part of the amount.
         for waited in (r for r in said if "waiting for the budget" in r):
-            assert "0.1 USD/hr of it other profile runs' or rollouts' workers" in waited, waited
+            assert "0.1 USD/hr of it the workers of other profile runs" in waited, waited
         status = _cli(capsys, "rollout", "status", "--app", APP)
         assert (status["id"], status["state"], status["step_share"]) == (rid, "promoted", 1), status
         assert api.get(f"/v1/apps/{APP}").json()["spec"]["models"][0]["artifact"] == f"{MODEL}@2"
