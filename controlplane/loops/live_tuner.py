@@ -1238,27 +1238,38 @@ def _slower(new: Sequence[TunerStage], old: Sequence[TunerStage]) -> bool:
 
 def _recalibrated(new: TunerStage, old: TunerStage, peak_qps: float) -> TunerStage:
     """A stage set up again on recalibrated profiles (``new``), keeping what the plan meant: the
-    capacity in qps its planned load needs at the plan's whole-instance headroom rho_m
-    (:func:`_whole_rho`), at most its planned capacity (each planned type's count scaled by
-    that share of it and by old mu_t / new mu_t, rounded up, never below the plan's count, so
-    the tuner restores a plan the slower instances no longer carry), and that rho_m. A plan of
-    one instance far over its load (rho 0.007: a planned peak of 15 qps on an instance serving
-    2,300) kept all of its capacity in qps, and a drift of 4x bought three more instances for an
-    app planned at 5 qps."""
-    rho = _whole_rho(old, peak_qps)
+    capacity in qps its planned load needs at headroom rho_m, at most its capacity before
+    (each type's count in ``old``, the stage as the tuner had it, scaled by that share of it
+    and by old mu_t / new mu_t, rounded up, never below that count, so the tuner restores a
+    plan the slower instances no longer carry), and that rho_m. rho_m is the plan's
+    whole-instance headroom (:func:`_whole_rho`), at most the stage's rho_m before times the
+    drift (the least old mu_t / new mu_t of its types, at least 1): a plan of one instance far
+    over its load (rho 0.007: a planned peak of 15 qps on an instance serving 2,300) kept all
+    of its capacity in qps, and a drift of 4x bought three more instances for an app planned
+    at 5 qps; but instances found slower never make the tuner want fewer of them for a load
+    than before (the whole-instance rho_m of a stage of two at rho 0.38, taken at a drift of
+    1.1x, stopped one at the planned load), and the same profiles found again change nothing
+    (each recalibration raised rho_m again; the second one restored the plan's counts, losing
+    the first one's drift)."""
+    rates_old, rates_new = old.rate_per_instance_qps, new.rate_per_instance_qps
+    drift = max(
+        1.0,
+        min(
+            (rates_old[t] / rates_new[t] for t in old.fleet if t in rates_old and t in rates_new),
+            default=1.0,
+        ),
+    )
+    rho = min(_whole_rho(old, peak_qps), old.utilisation_target * drift)
     planned = old.planned_capacity_qps
     share = min(1.0, peak_qps * old.scale_factor / rho / planned) if planned > 0.0 else 1.0
-    fleet = {
-        t: max(
-            n,
-            math.ceil(
-                n * share * old.rate_per_instance_qps[t] / new.rate_per_instance_qps[t] - 1e-9
-            ),
+    fleet = {}
+    for t, n in new.fleet.items():
+        had = old.fleet.get(t, n)
+        fleet[t] = (
+            max(had, math.ceil(had * share * rates_old[t] / rates_new[t] - 1e-9))
+            if t in rates_old and t in rates_new
+            else had
         )
-        if t in old.rate_per_instance_qps and t in new.rate_per_instance_qps
-        else n
-        for t, n in new.fleet.items()
-    }
     return dataclasses.replace(new, fleet=fleet, utilisation_target=rho)
 
 

@@ -477,6 +477,63 @@ def test_a_recalibration_keeps_what_the_load_needs_of_a_plan_far_over_it(
     assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 1}
 
 
+def recalibrated_tuner(
+    store: Store, tmp_path: Path, count: int, rate_qps: float
+) -> tuple[LiveTuner, FakeClock, Feed, dict[tuple[str, str], float]]:
+    """An InferLine tuner on a plan of ``count`` small instances at ``rate_qps``, its first tick
+    taken at the planned rate; set a factor in the returned dict and call ``recalibrate``."""
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    applied(store, tmp_path, count=count, rate_qps=rate_qps, budget=0.5)
+    factors: dict[tuple[str, str], float] = {}
+
+    def recalibrated(record: AppRecord) -> Any:
+        return scaled_profiles(resolve_spec(validate_spec(record.spec)), factors)
+
+    tuner = LiveTuner(store, clock, feed, recalibrated, model="inferline")
+    feed.arrival_s = steady(rate_qps, 940.0, 1000.0)
+    assert tuner.tick() == []
+    return tuner, clock, feed, factors
+
+
+def serve_a_minute(tuner: LiveTuner, clock: FakeClock, feed: Feed, rate_qps: float) -> None:
+    for _ in range(12):
+        clock.advance(5.0)
+        now = clock.now_s()
+        feed.arrival_s = steady(rate_qps, now - 60.0, now)
+        tuner.tick()
+
+
+def test_instances_found_slower_never_leave_fewer_of_them_for_the_planned_load(
+    store: Store, tmp_path: Path
+) -> None:
+    """Two instances planned at rho 0.38 (a planned peak of 38 qps on 100) keep the planned
+    load on both. Found 10% slower, the whole-instance headroom (0.54) was taken at once, and
+    the tuner stopped one of the two slower instances at the planned load: the headroom a
+    recalibration takes is at most the plan's times the drift."""
+    tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=2, rate_qps=20.0)
+    serve_a_minute(tuner, clock, feed, 20.0)
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 2}
+    factors[("tiny", SMALL)] = 1.1
+    tuner.recalibrate(APP)
+    serve_a_minute(tuner, clock, feed, 20.0)
+    assert reasons(store, "scale_down") == []
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 2}
+
+
+def test_the_same_profiles_recalibrated_again_change_nothing(store: Store, tmp_path: Path) -> None:
+    """A second and a third recalibration on the profiles the first one took (another model's
+    drift, a finer calibration) keep the stage as the first left it: each took the last
+    stage's whole-instance headroom as the plan's and raised it, until the tuner stopped one of
+    the two instances it had at the same load."""
+    tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=2, rate_qps=20.0)
+    factors[("tiny", SMALL)] = 2.0
+    for _ in range(3):
+        tuner.recalibrate(APP)
+        serve_a_minute(tuner, clock, feed, 20.0)
+        assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 2}
+    assert reasons(store, "scale_down") == []
+
+
 def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
