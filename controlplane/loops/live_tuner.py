@@ -738,6 +738,13 @@ class LiveTuner:
             hold_young_memory=True,
             memory_ring=ARRIVALS_KEPT,
         )
+        # A type the spec no longer lists may not be bought again (the planner's rule), as
+        # :meth:`_new_limits` holds it: a recalibration (or a restart) sets the app up here, and
+        # lost the cap, buying again the planned type a spec change had shed.
+        listed = resolved.constraints.instance_types
+        unlisted = {t: 0 for t in config.prices_usd_per_hr if t not in listed}
+        if unlisted:
+            config = dataclasses.replace(config, max_counts={**config.max_counts, **unlisted})
         stages = [
             TunerStage(
                 s.name,

@@ -534,6 +534,24 @@ def test_the_same_profiles_recalibrated_again_change_nothing(store: Store, tmp_p
     assert reasons(store, "scale_down") == []
 
 
+def test_a_recalibration_keeps_a_type_the_spec_no_longer_lists_off_the_fleet(
+    store: Store, tmp_path: Path
+) -> None:
+    """A spec that no longer lists the plan's type caps it at 0 (the planner's rule) and the
+    tuner sheds it to one; a recalibration, which sets the app up again, lost that cap, and the
+    tuner bought the type again on the slower profile."""
+    tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=2, rate_qps=50.0)
+    changed = {**store.get_app(APP).spec, "instance_types": [LARGE]}
+    store.update_app(APP, changed, who="test")
+    serve_a_minute(tuner, clock, feed, 50.0)
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 1}
+    factors[("tiny", SMALL)] = 2.0
+    tuner.recalibrate(APP)
+    serve_a_minute(tuner, clock, feed, 50.0)
+    assert reasons(store, "scale_up") == []
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 1}
+
+
 def test_a_recalibration_keeps_a_type_the_tuner_added_beyond_the_plan(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
