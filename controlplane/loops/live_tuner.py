@@ -1243,14 +1243,22 @@ def _slower(new: Sequence[TunerStage], old: Sequence[TunerStage]) -> bool:
     )
 
 
+# A stage whose utilisation target is under 1 / FAR_OVER_LOAD of its whole-instance one is sized
+# by whole instances far over its load (one instance of 2,300 qps for 15 qps), not by its load:
+# a recalibration restores what its load needs, not its capacity in qps.
+FAR_OVER_LOAD = 2.0
+
+
 def _recalibrated(new: TunerStage, old: TunerStage, peak_qps: float) -> TunerStage:
     """A stage set up again on recalibrated profiles (``new``), keeping what the plan meant: the
     capacity in qps its planned load needs at headroom rho_m, at most its capacity before
     (each type's count in ``old``, the stage as the tuner had it, scaled by that share of it
     and by old mu_t / new mu_t, rounded up, never below that count, so the tuner restores a
-    plan the slower instances no longer carry), and that rho_m. rho_m is the plan's
-    whole-instance headroom (:func:`_whole_rho`), at most the stage's rho_m before times the
-    drift (the least old mu_t / new mu_t of its types, at least 1): a plan of one instance far
+    plan the slower instances no longer carry), and that rho_m. A stage sized by its load (its
+    rho_m before at least half its whole-instance headroom, :func:`_whole_rho`,
+    :data:`FAR_OVER_LOAD`) keeps its rho_m and all its capacity in qps, as InferLine does. One
+    far over its load takes rho_m as the whole-instance headroom, at most its rho_m before times
+    the drift (the least old mu_t / new mu_t of its types, at least 1): a plan of one instance far
     over its load (rho 0.007: a planned peak of 15 qps on an instance serving 2,300) kept all
     of its capacity in qps, and a drift of 4x bought three more instances for an app planned
     at 5 qps; but instances found slower never make the tuner want fewer of them for a load
@@ -1266,9 +1274,16 @@ def _recalibrated(new: TunerStage, old: TunerStage, peak_qps: float) -> TunerSta
             default=1.0,
         ),
     )
-    rho = min(_whole_rho(old, peak_qps), old.utilisation_target * drift)
-    planned = old.planned_capacity_qps
-    share = min(1.0, peak_qps * old.scale_factor / rho / planned) if planned > 0.0 else 1.0
+    whole = _whole_rho(old, peak_qps)
+    if old.utilisation_target * FAR_OVER_LOAD >= whole:
+        # Sized by its load (its headroom near the whole-instance one): the plan's capacity in
+        # qps restored at its headroom, as InferLine keeps rho_m (a whole-instance rho_m there
+        # restored one instance fewer of a stage of four at rho 0.8 found 3x slower).
+        rho, share = old.utilisation_target, 1.0
+    else:
+        rho = min(whole, old.utilisation_target * drift)
+        planned = old.planned_capacity_qps
+        share = min(1.0, peak_qps * old.scale_factor / rho / planned) if planned > 0.0 else 1.0
     fleet = {}
     for t, n in new.fleet.items():
         had = old.fleet.get(t, n)

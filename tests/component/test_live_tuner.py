@@ -520,18 +520,47 @@ def test_instances_found_slower_never_leave_fewer_of_them_for_the_planned_load(
     assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 2}
 
 
+def test_a_stage_sized_by_its_load_found_slower_gets_back_its_capacity_in_qps(
+    store: Store, tmp_path: Path
+) -> None:
+    """Four instances of 50 qps planned at 80 qps: found 3x slower, the stage is given back its
+    capacity in qps (200) at the plan's headroom, as InferLine keeps rho_m, and the tuner buys
+    back what the planned load needs at it. The whole-instance headroom of a plan far over its
+    load, taken here too, gave back less (a higher rho_m for slower instances, whose queues
+    leave less of the SLO: eight instances at the planned load where the plan's rho_m needs
+    nine)."""
+    tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=4, rate_qps=80.0)
+    factors[("tiny", SMALL)] = 3.0
+    tuner.recalibrate(APP)
+    feed.arrival_s = steady(80.0, clock.now_s() - 60.0, clock.now_s())
+    tuner.tick()
+    (bought,) = reasons(store, "scale_up")
+    assert f"planned capacity {4 * 50:g} qps" in bought, bought  # the plan's, in qps
+    rho = float(bought.split(" rho ")[1].split(",")[0])
+    need = float(bought.split("need ")[1].split(" qps")[0])
+    assert need == pytest.approx(80.0 / rho, rel=1e-3), bought  # the planned load at rho_m
+    assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: math.ceil(need / (50 / 3) - 1e-9)}
+
+
 def test_the_same_profiles_recalibrated_again_change_nothing(store: Store, tmp_path: Path) -> None:
     """A second and a third recalibration on the profiles the first one took (another model's
     drift, a finer calibration) keep the stage as the first left it: each took the last
     stage's whole-instance headroom as the plan's and raised it, until the tuner stopped one of
-    the two instances it had at the same load."""
+    the instances it had at the same load, and each restored the plan's counts, losing the
+    first one's drift."""
     tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=2, rate_qps=20.0)
     factors[("tiny", SMALL)] = 2.0
-    for _ in range(3):
+    tuner.recalibrate(APP)
+    serve_a_minute(tuner, clock, feed, 20.0)
+    first = tuner.desired_fleet(store.get_app(APP))
+    assert first[SMALL] >= 2  # slower instances, never fewer of them for the same load
+    moved = len(reasons(store, "scale_down")) + len(reasons(store, "scale_up"))
+    for _ in range(2):
         tuner.recalibrate(APP)
+        assert tuner.desired_fleet(store.get_app(APP)) == first  # the set-up keeps it
         serve_a_minute(tuner, clock, feed, 20.0)
-        assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 2}
-    assert reasons(store, "scale_down") == []
+        assert tuner.desired_fleet(store.get_app(APP)) == first
+    assert len(reasons(store, "scale_down")) + len(reasons(store, "scale_up")) == moved
 
 
 def test_a_recalibration_keeps_a_type_the_spec_no_longer_lists_off_the_fleet(
