@@ -39,6 +39,7 @@ __all__ = [
     "VariantState",
     "choose",
     "gear_options",
+    "ms_text",
     "percent_places",
 ]
 
@@ -182,11 +183,11 @@ def choose(needs: Requirements, options: Sequence[VariantOption]) -> VariantChoi
     missed = []
     if needs.latency_ms is not None:
         missed.append(
-            f"at {_ms(option.predicted_latency_ms)} ms"
-            + (f" ({_ms(over)} ms over)" if over > 0 else " (meets)")
+            f"at {ms_text(option.predicted_latency_ms)} ms"
+            + (f" ({ms_text(over)} ms over)" if over > 0 else " (meets)")
         )
     else:
-        missed.append(f"at {_ms(option.predicted_latency_ms)} ms")
+        missed.append(f"at {ms_text(option.predicted_latency_ms)} ms")
     if needs.min_accuracy is not None and option.accuracy == 0:
         # 0 is the accuracy of a variant without validation records: unknown, not measured 0.
         missed.append("with its accuracy unknown (the app names no validation records)")
@@ -221,14 +222,14 @@ def percent_places(accuracy: float, minimum: float) -> int:
 
 
 def _numbers(option: VariantOption) -> str:
-    return f"{_ms(option.predicted_latency_ms)} ms, accuracy {100 * option.accuracy:.2f}%"
+    return f"{ms_text(option.predicted_latency_ms)} ms, accuracy {100 * option.accuracy:.2f}%"
 
 
-def _ms(value: float) -> str:
+def ms_text(value: float) -> str:
     """Milliseconds as a reader takes them: three figures below 1,000, whole ones with commas
     above (``.3g`` wrote 6,900 ms as ``6.9e+03``).
 
-    >>> _ms(0.4567), _ms(33.54), _ms(6912.3)
+    >>> ms_text(0.4567), ms_text(33.54), ms_text(6912.3)
     ('0.457', '33.5', '6,912')
     """
     return f"{value:.3g}" if value < 1000 else f"{value:,.0f}"

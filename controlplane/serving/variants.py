@@ -34,11 +34,12 @@ from controlplane.policies.variants import (
     VariantOption,
     VariantState,
     choose,
+    ms_text,
     percent_places,
 )
 from controlplane.serving.admission import StageLoad, predicted_latency_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
-from controlplane.serving.stages import ServingStage
+from controlplane.serving.stages import LatencyTable, ServingStage
 from controlplane.serving.states import StateTracker, is_overloaded
 from estimator.cascades import Cascade, ValidationRecords, evaluate
 
@@ -152,25 +153,68 @@ class AppVariants:
                 found.append(cascade)
         return found
 
-    def _refuse_unreachable(self, requirements: Requirements, gear: ServingGear) -> None:
-        """With no worker up, an accuracy floor above every variant's accuracy is refused as
-        unmet (a 422, as with workers up): no fleet meets it, and a 503 says to try again."""
-        floor = requirements.min_accuracy
-        if floor is None or self.config.validation is None:
+    def _fastest_ms(self, cascade: Cascade, samples: int) -> float:
+        """The least latency any fleet of the app's profiled types could predict for
+        ``cascade`` (:meth:`loads`' batch per stage it reaches, on the stage's fastest type, no
+        queue): the service part of :func:`predicted_latency_ms` is never under it."""
+        _, reach = self.reach(cascade)
+        total = 0.0
+        for model, share in zip(cascade.models, reach, strict=True):
+            if share <= 0:
+                continue
+            n = max(math.ceil(share * samples), 1)
+            profiles = self.config.profiles.get(model, {}).values()
+            total += min((LatencyTable(p).ms(n) for p in profiles), default=math.inf)
+        return total
+
+    def _refuse_unreachable(
+        self, requirements: Requirements, gear: ServingGear, samples: int
+    ) -> None:
+        """With no worker up, requirements no variant meets on any fleet are refused as unmet
+        (a 422, as with workers up): an accuracy floor above every variant's accuracy, a
+        latency bound under every variant's fastest service (:meth:`_fastest_ms`), or no variant
+        with both. No fleet meets them, and a 503 says to try again. Without validation records
+        the accuracy is unknown and only the latency is judged."""
+        floor = requirements.min_accuracy if self.config.validation is not None else None
+        needs = Requirements(self.config.name, requirements.latency_ms, floor)
+        if needs.latency_ms is None and needs.min_accuracy is None:
             return
-        scored = [(self.reach(c)[0], c.label) for c in self._candidates(gear)]
-        if not scored:
-            return
-        accuracy, label = max(scored)
-        if accuracy < floor:
-            places = percent_places(accuracy, floor)
-            raise RequirementsUnmetError(
-                self.config.name,
-                f"{self.config.name}: no variant meets {requirements.describe()} whatever the"
-                f" fleet; closest offer: {label} with accuracy {100 * accuracy:.{places}f}%"
-                f" ({100 * (floor - accuracy):.{places}f} points short)",
-                label,
+        options = [
+            VariantOption(
+                name=c.label,
+                predicted_latency_ms=self._fastest_ms(c, samples),
+                accuracy=self.reach(c)[0],
+                cost_usd_per_query=0.0,
+                kind="gear" if len(c.models) > 1 else "model",
             )
+            for c in self._candidates(gear)
+        ]
+        if not options:
+            return
+        choice = choose(needs, options)
+        if choice.met:
+            return
+        option = choice.option
+        missed = []
+        if needs.latency_ms is not None:
+            over = choice.latency_over_ms
+            missed.append(
+                f"at {ms_text(option.predicted_latency_ms)} ms at the fastest"
+                + (f" ({ms_text(over)} ms over)" if over > 0 else " (meets)")
+            )
+        if needs.min_accuracy is not None:
+            short = choice.accuracy_short
+            places = percent_places(option.accuracy, needs.min_accuracy) if short > 0 else 2
+            missed.append(
+                f"with accuracy {100 * option.accuracy:.{places}f}%"
+                + (f" ({100 * short:.{places}f} points short)" if short > 0 else " (meets)")
+            )
+        raise RequirementsUnmetError(
+            self.config.name,
+            f"{self.config.name}: no variant meets {requirements.describe()} whatever the"
+            f" fleet; closest offer: {option.kind} {option.name} {' '.join(missed)}",
+            option.name,
+        )
 
     def _served(self, cascade: Cascade) -> bool:
         """Whether every model of ``cascade`` has a healthy worker (what a query needs to be let
@@ -203,7 +247,7 @@ class AppVariants:
         options = self.options(gear, samples, now_s)
         app = self.config.name
         if not options:
-            self._refuse_unreachable(requirements, gear)
+            self._refuse_unreachable(requirements, gear, samples)
             raise NoServingInstanceError(app, self.config.cascade.models[0])
         # A variant with a model no healthy worker serves is offered (its latency infinite) but
         # would be refused 503 on its way in: one that is served and meets the requirements

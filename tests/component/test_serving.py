@@ -1027,6 +1027,37 @@ def test_an_accuracy_no_variant_has_is_unmet_even_with_no_worker_up() -> None:
     run(scenario())
 
 
+def test_a_latency_no_variant_reaches_is_unmet_even_with_no_worker_up() -> None:
+    """With no worker running, a latency bound under every variant's fastest service (its
+    reached stages on the fastest profiled type, no queue) was a 503 (try again later), while
+    the same query with workers up is a 422: no fleet would meet it. A bound a fleet could meet
+    stays a 503, and so does one met only by a variant of too little accuracy when another is
+    accurate enough but too slow."""
+    from dataclasses import replace
+
+    from estimator.cascades import synthetic_validation
+
+    records = synthetic_validation(
+        np.random.default_rng(0), [0.9, 0.97], names=["tiny", "large"], n_samples=400
+    )
+
+    async def scenario() -> None:
+        # tiny serves one sample in 0.51 ms at the fastest (emu.cpu.large), large in 2.01 ms.
+        dispatcher = await dispatcher_over([], replace(config(), validation=records))
+        with pytest.raises(RequirementsUnmetError, match="whatever the fleet") as caught:
+            await dispatcher.infer([row(5, 0.1)], requirements=Requirements("demo", 0.1))
+        assert "closest offer: model tiny at 0.51 ms at the fastest" in str(caught.value)
+        # Fast enough on tiny, accurate enough on large: no variant is both.
+        with pytest.raises(RequirementsUnmetError, match="whatever the fleet"):
+            await dispatcher.infer([row(5, 0.1)], requirements=Requirements("demo", 1.0, 0.95))
+        for reachable in (Requirements("demo", 1.0), Requirements("demo", 50.0, 0.95)):
+            with pytest.raises(NoServingInstanceError):
+                await dispatcher.infer([row(5, 0.1)], requirements=reachable)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_refusal_is_an_overload_sign_of_the_stage_admission_judged_only() -> None:
     """A cascade whose first model's queue refuses queries: each refusal was recorded as an
     overload sign for every model the query would have reached, so the later model, a share of
