@@ -9,6 +9,7 @@ with the REST answer's message, counted for ``/metrics`` under the REST status.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -377,6 +378,20 @@ def _one_row(value: int) -> Any:
     return request
 
 
+@contextlib.contextmanager
+def _worker_held(
+    world: ApiWorld, worker: FakeWorker, address: str
+) -> Iterator[tuple[Any, tuple[tuple[str, str], ...], Any]]:
+    """A gRPC channel to ``address``: its ModelInfer, the infer token's metadata, and a first
+    query (a future) that has reached ``worker``, which holds it."""
+    metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
+    with grpc.insecure_channel(address) as channel:
+        infer = _model_infer(channel)
+        first = infer.future(_one_row(1), metadata=metadata, timeout=60.0)
+        _until("the first query never reached the worker", lambda: worker.received == 1)
+        yield infer, metadata, first
+
+
 def test_a_call_past_its_deadline_or_cancelled_costs_no_worker_call(
     held: tuple[ApiWorld, FakeWorker, str, str],
 ) -> None:
@@ -386,11 +401,7 @@ def test_a_call_past_its_deadline_or_cancelled_costs_no_worker_call(
     sees either."""
     world, worker, address, url = held
     _hold(world, admission=False)
-    metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
-    with grpc.insecure_channel(address) as channel:
-        infer = _model_infer(channel)
-        first = infer.future(_one_row(1), metadata=metadata, timeout=60.0)
-        _until("the first query never reached the worker", lambda: worker.received == 1)
+    with _worker_held(world, worker, address) as (infer, metadata, first):
         late = infer.future(_one_row(2), metadata=metadata, timeout=2.0)
         _until("the query with a deadline never queued", lambda: _queued(world, url)[0] == 1)
         with pytest.raises(grpc.RpcError) as expired:
@@ -413,11 +424,7 @@ def test_admissions_refusal_is_resource_exhausted_with_retry_after(
     trailing metadata (seconds); the query never reaches a worker."""
     world, worker, address, url = held
     _hold(world, admission=True, max_queued_samples=1)  # room for one queued query
-    metadata = (("authorization", f"Bearer {world.tokens['infer']}"),)
-    with grpc.insecure_channel(address) as channel:
-        infer = _model_infer(channel)
-        first = infer.future(_one_row(1), metadata=metadata, timeout=60.0)
-        _until("the first query never reached the worker", lambda: worker.received == 1)
+    with _worker_held(world, worker, address) as (infer, metadata, first):
         queued = infer.future(_one_row(2), metadata=metadata, timeout=60.0)
         _until("the second query never queued", lambda: _queued(world, url)[0] == 1)
         with pytest.raises(grpc.RpcError) as refused:
