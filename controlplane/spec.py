@@ -839,6 +839,12 @@ class PlanningConstraints:
         """The caps of those of ``types`` that have one."""
         return {t: n for t in types if (n := self.max_counts.get(t)) is not None}
 
+    def held_caps(self, types: Iterable[str]) -> dict[str, int]:
+        """:meth:`caps`, and 0 for those of ``types`` the spec does not list (a plan may not use
+        them: what a tuner that reached a fleet of them holds it to, the planner's rule)."""
+        named = list(types)
+        return self.caps(named) | {t: 0 for t in named if t not in self.instance_types}
+
     def usable(self, instance_type: str) -> bool:
         """Whether a plan may use ``instance_type``: a candidate whose cap is not 0."""
         return instance_type in self.instance_types and self.max_counts.get(instance_type) != 0

@@ -643,9 +643,8 @@ class LiveTuner:
             # same (it needs no profile), the caps stay as they were.
             logger.warning("tuner: %s: the caps stay as they were: %s", app.name, error)
         else:
-            caps = constraints.caps(config.prices_usd_per_hr)
             # A type the spec no longer lists may not be bought again (the planner's rule).
-            caps |= {t: 0 for t in config.prices_usd_per_hr if t not in constraints.instance_types}
+            caps = constraints.held_caps(config.prices_usd_per_hr)
         tuned.config = dataclasses.replace(
             config, budget_usd_per_hr=app.budget_usd_per_hr, max_counts=caps
         )
@@ -741,10 +740,8 @@ class LiveTuner:
         # A type the spec no longer lists may not be bought again (the planner's rule), as
         # :meth:`_new_limits` holds it: a recalibration (or a restart) sets the app up here, and
         # lost the cap, buying again the planned type a spec change had shed.
-        listed = resolved.constraints.instance_types
-        unlisted = {t: 0 for t in config.prices_usd_per_hr if t not in listed}
-        if unlisted:
-            config = dataclasses.replace(config, max_counts={**config.max_counts, **unlisted})
+        held = resolved.constraints.held_caps(config.prices_usd_per_hr)
+        config = dataclasses.replace(config, max_counts=held)
         stages = [
             TunerStage(
                 s.name,
