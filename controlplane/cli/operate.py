@@ -38,6 +38,7 @@ from controlplane.cli.client import (
     table,
 )
 from controlplane.cli.output import UsageError, emit, progress, rate_text
+from controlplane.policies.rollout import decision_subject
 from estimator.numbers import plain
 
 __all__ = [
@@ -549,13 +550,10 @@ def collapse(lines: Sequence[EventLine]) -> list[EventLine]:
 def _subject(decision: Mapping[str, Any]) -> str:
     """What ``decision`` is about, where its numbers say (``rollout 3``, or a cascade's
     ``stage medium`` for the tuner's decisions); else empty. A rollout's decision is about its
-    state and step too, where its numbers say them: each move of a rollout (profiled, a step
-    passed, promoted) is a line of its own, and only a run of decisions in one state at one
-    step (a wait said again) collapses; until 2026-12-07 a whole rollout read as one line, its
-    last move's. The loop's moves in one state at one step (pending: profiled, its instances
-    granted, timed alone; promoted: the handover done, planned again) are told from its waits
-    by ``numbers.wait`` (false: a move, its reason part of the subject, so that it folds only
-    with itself made again); a decision without it (before 2026-12-07) folds by state and step.
+    state, step and, for a move, its reason too
+    (:func:`~controlplane.policies.rollout.decision_subject`): each move is a line of its own,
+    and only a wait said again collapses; until 2026-12-07 a whole rollout read as one line, its
+    last move's.
 
     >>> _subject({"numbers": {"rollout_id": 3}}), _subject({"numbers": {"stage": "large"}})
     ('rollout 3', 'stage large')
@@ -568,11 +566,11 @@ def _subject(decision: Mapping[str, Any]) -> str:
     numbers = decision.get("numbers") or {}
     if not isinstance(numbers, Mapping):
         return ""
-    rollout = numbers.get("rollout_id")
-    if rollout is not None:
-        moved = [str(numbers[key]) for key in ("state", "step_index") if key in numbers]
-        subject = " ".join([f"rollout {rollout}", *moved])
-        return f"{subject}: {decision.get('reason')}" if numbers.get("wait") is False else subject
+    rolled = decision_subject(numbers, decision.get("reason"))
+    if rolled is not None:
+        rollout, state, step, move = rolled
+        subject = " ".join(str(x) for x in (f"rollout {rollout}", state, step) if x is not None)
+        return subject if move is None else f"{subject}: {move}"
     stage = _stage(decision)
     return "" if stage is None else f"stage {stage}"
 

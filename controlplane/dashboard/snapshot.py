@@ -66,6 +66,7 @@ from controlplane.db.store import (
 )
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, billed_cost_usd_per_hr
 from controlplane.policies.plan import PlanDocument, PlanError
+from controlplane.policies.rollout import decision_subject
 from controlplane.serving.observations import AppTotals
 
 logger = logging.getLogger(__name__)
@@ -711,24 +712,14 @@ def _cascade_section(
 
 
 def _subject_of(decision: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a decision is about, where its numbers say: its rollout (``rollout_id``), with its
-    ``state`` and ``step_index``, and its reason where it is a move (``wait`` false: only the
-    rollout loop's waits in one state at one step fold, as in ``heteroplane events``), and its
-    stage (``stage``: a cascade's tuner decides per model); Nones else."""
+    """What a decision is about, where its numbers say: its stage (``stage``: a cascade's tuner
+    decides per model) and its rollout's subject
+    (:func:`~controlplane.policies.rollout.decision_subject`, as ``heteroplane events`` folds
+    it); Nones else."""
     numbers = decision.get("numbers")
     if not isinstance(numbers, Mapping):
-        return (None, None, None, None, None)
-    rollout = numbers.get("rollout_id")
-    moved = (
-        (
-            str(numbers.get("state")),
-            str(numbers.get("step_index")),
-            str(decision.get("reason")) if numbers.get("wait") is False else None,
-        )
-        if rollout is not None
-        else (None, None, None)
-    )
-    return (rollout, numbers.get("stage"), *moved)
+        return (None, None)
+    return (numbers.get("stage"), decision_subject(numbers, decision.get("reason")))
 
 
 def collapse_runs(decisions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
