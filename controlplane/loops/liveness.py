@@ -171,7 +171,7 @@ class _Seen:
     answered: bool = False  # it answered once (in this process)
     failures: int = 0  # unanswered probes in a row
     silent_since_s: float | None = None  # the first of them
-    outdated: str | None = None  # it answers, but cannot serve: why (its last probe's)
+    cannot_serve: str | None = None  # it answers, but cannot serve: why (its last probe's)
 
 
 class Liveness:
@@ -236,7 +236,7 @@ class Liveness:
             if seen.probed_s is not None and at_s - seen.probed_s > self.gap_s:
                 seen.failures, seen.silent_since_s = 0, None  # nobody asked meanwhile
             seen.probed_s = at_s
-            seen.outdated = answered if isinstance(answered, str) else None
+            seen.cannot_serve = answered if isinstance(answered, str) else None
             if answered:
                 seen.answered = True
                 seen.failures, seen.silent_since_s = 0, None
@@ -254,7 +254,7 @@ class Liveness:
         # A worker that answers but cannot serve (an older release's, or one stuck on a batch) is
         # replaced at once: nothing sent to it is served, whatever the others do.
         found = {
-            pid: seen.outdated for pid, seen in self._seen.items() if seen.outdated is not None
+            pid: why for pid, seen in self._seen.items() if (why := seen.cannot_serve) is not None
         }
         # The share is of the workers past their boot: new ones are silent as a rule.
         probed = [
