@@ -40,6 +40,7 @@ __all__ = [
     "choose",
     "gear_options",
     "ms_text",
+    "offer_text",
     "percent_places",
 ]
 
@@ -180,13 +181,39 @@ def choose(needs: Requirements, options: Sequence[VariantOption]) -> VariantChoi
             item[0].name,
         ),
     )
+    state = "" if option.state == "active" else f", but it is {option.state}"
+    return VariantChoice(
+        option,
+        False,
+        over,
+        short,
+        f"{needs.app}: no variant meets {needs.describe()} on the running fleet; closest offer:"
+        f" {offer_text(option, needs, over, short)}{state}",
+    )
+
+
+def offer_text(
+    option: VariantOption, needs: Requirements, over: float, short: float, *, fastest: bool = False
+) -> str:
+    """A closest offer as a refusal names it: its kind and name, its latency (``over`` the bound
+    or meeting it) and its accuracy (``short`` of the floor or meeting it) where ``needs`` bound
+    them. ``fastest``: the latency is the least any fleet could give (said "at the fastest", and
+    only where bounded); else the running fleet's, always said.
+
+    >>> option = VariantOption("tiny", 12.0, 0.961, 1e-6)
+    >>> offer_text(option, Requirements("digits", 10.0, 0.97), 2.0, 0.009)
+    'model tiny at 12 ms (2 ms over) with accuracy 96.10% (0.90 points short)'
+    >>> offer_text(option, Requirements("digits", None, 0.97), 0.0, 0.009, fastest=True)
+    'model tiny with accuracy 96.10% (0.90 points short)'
+    """
     missed = []
     if needs.latency_ms is not None:
         missed.append(
             f"at {ms_text(option.predicted_latency_ms)} ms"
+            + (" at the fastest" if fastest else "")
             + (f" ({ms_text(over)} ms over)" if over > 0 else " (meets)")
         )
-    else:
+    elif not fastest:
         missed.append(f"at {ms_text(option.predicted_latency_ms)} ms")
     if needs.min_accuracy is not None and option.accuracy == 0:
         # 0 is the accuracy of a variant without validation records: unknown, not measured 0.
@@ -197,15 +224,7 @@ def choose(needs: Requirements, options: Sequence[VariantOption]) -> VariantChoi
             f"with accuracy {100 * option.accuracy:.{places}f}%"
             + (f" ({100 * short:.{places}f} points short)" if short > 0 else " (meets)")
         )
-    state = "" if option.state == "active" else f", but it is {option.state}"
-    return VariantChoice(
-        option,
-        False,
-        over,
-        short,
-        f"{needs.app}: no variant meets {needs.describe()} on the running fleet; closest offer:"
-        f" {option.kind} {option.name} {' '.join(missed)}{state}",
-    )
+    return f"{option.kind} {option.name} {' '.join(missed)}"
 
 
 def percent_places(accuracy: float, minimum: float) -> int:

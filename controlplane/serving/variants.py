@@ -34,8 +34,7 @@ from controlplane.policies.variants import (
     VariantOption,
     VariantState,
     choose,
-    ms_text,
-    percent_places,
+    offer_text,
 )
 from controlplane.serving.admission import StageLoad, predicted_latency_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
@@ -194,26 +193,14 @@ class AppVariants:
         choice = choose(needs, options)
         if choice.met:
             return
-        option = choice.option
-        missed = []
-        if needs.latency_ms is not None:
-            over = choice.latency_over_ms
-            missed.append(
-                f"at {ms_text(option.predicted_latency_ms)} ms at the fastest"
-                + (f" ({ms_text(over)} ms over)" if over > 0 else " (meets)")
-            )
-        if needs.min_accuracy is not None:
-            short = choice.accuracy_short
-            places = percent_places(option.accuracy, needs.min_accuracy) if short > 0 else 2
-            missed.append(
-                f"with accuracy {100 * option.accuracy:.{places}f}%"
-                + (f" ({100 * short:.{places}f} points short)" if short > 0 else " (meets)")
-            )
+        offer = offer_text(
+            choice.option, needs, choice.latency_over_ms, choice.accuracy_short, fastest=True
+        )
         raise RequirementsUnmetError(
             self.config.name,
             f"{self.config.name}: no variant meets {requirements.describe()} whatever the"
-            f" fleet; closest offer: {option.kind} {option.name} {' '.join(missed)}",
-            option.name,
+            f" fleet; closest offer: {offer}",
+            choice.option.name,
         )
 
     def _served(self, cascade: Cascade) -> bool:
