@@ -508,8 +508,8 @@ def test_instances_found_slower_never_leave_fewer_of_them_for_the_planned_load(
 ) -> None:
     """Two instances planned at rho 0.38 (a planned peak of 38 qps on 100) keep the planned
     load on both. Found 10% slower, the whole-instance headroom (0.54) was taken at once, and
-    the tuner stopped one of the two slower instances at the planned load: the headroom a
-    recalibration takes is at most the plan's times the drift."""
+    the tuner stopped one of the two slower instances at the planned load: a stage sized by
+    its load keeps its rho_m."""
     tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=2, rate_qps=20.0)
     serve_a_minute(tuner, clock, feed, 20.0)
     assert tuner.desired_fleet(store.get_app(APP)) == {SMALL: 2}
@@ -544,10 +544,9 @@ def test_a_stage_sized_by_its_load_found_slower_gets_back_its_capacity_in_qps(
 
 def test_the_same_profiles_recalibrated_again_change_nothing(store: Store, tmp_path: Path) -> None:
     """A second and a third recalibration on the profiles the first one took (another model's
-    drift, a finer calibration) keep the stage as the first left it: each took the last
-    stage's whole-instance headroom as the plan's and raised it, until the tuner stopped one of
-    the instances it had at the same load, and each restored the plan's counts, losing the
-    first one's drift."""
+    drift, a finer calibration) keep the stage as the first left it, set-up and ticks: each had
+    taken the last stage's whole-instance headroom as the plan's and raised it, until the tuner
+    stopped one of the instances it had at the same load."""
     tuner, clock, feed, factors = recalibrated_tuner(store, tmp_path, count=2, rate_qps=20.0)
     factors[("tiny", SMALL)] = 2.0
     tuner.recalibrate(APP)
