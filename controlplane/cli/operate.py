@@ -38,7 +38,7 @@ from controlplane.cli.client import (
     table,
 )
 from controlplane.cli.output import UsageError, emit, progress, rate_text
-from controlplane.policies.rollout import decision_subject
+from controlplane.policies.rollout_states import decision_subject
 from estimator.numbers import plain
 
 __all__ = [
@@ -551,9 +551,9 @@ def _subject(decision: Mapping[str, Any]) -> str:
     """What ``decision`` is about, where its numbers say (``rollout 3``, or a cascade's
     ``stage medium`` for the tuner's decisions); else empty. A rollout's decision is about its
     state, step and, for a move, its reason too
-    (:func:`~controlplane.policies.rollout.decision_subject`): each move is a line of its own,
-    and only a wait said again collapses; until 2026-12-07 a whole rollout read as one line, its
-    last move's.
+    (:func:`~controlplane.policies.rollout_states.decision_subject`): each move is a line of its
+    own, and only a wait said again collapses; until 2026-12-07 a whole rollout read as one
+    line, its last move's.
 
     >>> _subject({"numbers": {"rollout_id": 3}}), _subject({"numbers": {"stage": "large"}})
     ('rollout 3', 'stage large')

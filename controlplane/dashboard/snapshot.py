@@ -66,7 +66,7 @@ from controlplane.db.store import (
 )
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, billed_cost_usd_per_hr
 from controlplane.policies.plan import PlanDocument, PlanError
-from controlplane.policies.rollout import decision_subject
+from controlplane.policies.rollout_states import decision_subject
 from controlplane.serving.observations import AppTotals
 
 logger = logging.getLogger(__name__)
@@ -714,7 +714,7 @@ def _cascade_section(
 def _subject_of(decision: Mapping[str, Any]) -> tuple[Any, ...]:
     """What a decision is about, where its numbers say: its stage (``stage``: a cascade's tuner
     decides per model) and its rollout's subject
-    (:func:`~controlplane.policies.rollout.decision_subject`, as ``heteroplane events`` folds
+    (:func:`~controlplane.policies.rollout_states.decision_subject`, as ``heteroplane events`` folds
     it); Nones else."""
     numbers = decision.get("numbers")
     if not isinstance(numbers, Mapping):

@@ -66,7 +66,6 @@ __all__ = [
     "VersionFigures",
     "bucket",
     "check_rollout_transition",
-    "decision_subject",
     "extra_fleet",
     "judge",
     "parse_steps",
@@ -535,28 +534,3 @@ def rederive_thresholds(
         float(compute),
         bool(eligible),
     )
-
-
-def decision_subject(numbers: Mapping[str, object], reason: object) -> tuple[object, ...] | None:
-    """What a ``rollout`` decision is about, where runs of decisions fold into one line
-    (``heteroplane events``, the dashboard's event log): (rollout id, state, step index, the
-    reason where it is a move, else None); None where ``numbers`` name no rollout. The rollout
-    loop says which decisions hold the rollout where it is (``wait`` true): only those fold
-    together within a state and step; each move (``wait`` false: profiled, a step passed,
-    promoted, the handover done) folds only with itself made again. A decision without
-    ``wait`` (recorded before 2026-12-07) folds by state and step.
-
-    >>> decision_subject({"rollout_id": 3, "state": "pending", "step_index": 0, "wait": True},
-    ...     "rollout 3: waiting for the budget")
-    (3, 'pending', 0, None)
-    >>> decision_subject({"rollout_id": 3, "state": "promoted", "step_index": 1, "wait": False},
-    ...     "rollout 3: handover done")
-    (3, 'promoted', 1, 'rollout 3: handover done')
-    >>> decision_subject({"stage": "large"}, "scale_up") is None
-    True
-    """
-    rollout = numbers.get("rollout_id")
-    if rollout is None:
-        return None
-    move = reason if numbers.get("wait") is False else None
-    return (rollout, numbers.get("state"), numbers.get("step_index"), move)

@@ -9,6 +9,7 @@ models read them without importing the estimator the policy's judgement uses.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from types import MappingProxyType
 
@@ -19,6 +20,7 @@ __all__ = [
     "TRANSITIONS",
     "RolloutState",
     "check_rollout_transition",
+    "decision_subject",
     "spec_held_by_rollout",
 ]
 
@@ -72,3 +74,28 @@ def spec_held_by_rollout(app: str, rollout_id: int, model: str, state: str, fiel
         f" they were: change them once it ends, or end it first (heteroplane rollout abort --app"
         f" {app})"
     )
+
+
+def decision_subject(numbers: Mapping[str, object], reason: object) -> tuple[object, ...] | None:
+    """What a ``rollout`` decision is about, where runs of decisions fold into one line
+    (``heteroplane events``, the dashboard's event log): (rollout id, state, step index, the
+    reason where it is a move, else None); None where ``numbers`` name no rollout. The rollout
+    loop says which decisions hold the rollout where it is (``wait`` true): only those fold
+    together within a state and step; each move (``wait`` false: profiled, a step passed,
+    promoted, the handover done) folds only with itself made again. A decision without
+    ``wait`` (recorded before 2026-12-07) folds by state and step.
+
+    >>> decision_subject({"rollout_id": 3, "state": "pending", "step_index": 0, "wait": True},
+    ...     "rollout 3: waiting for the budget")
+    (3, 'pending', 0, None)
+    >>> decision_subject({"rollout_id": 3, "state": "promoted", "step_index": 1, "wait": False},
+    ...     "rollout 3: handover done")
+    (3, 'promoted', 1, 'rollout 3: handover done')
+    >>> decision_subject({"stage": "large"}, "scale_up") is None
+    True
+    """
+    rollout = numbers.get("rollout_id")
+    if rollout is None:
+        return None
+    move = reason if numbers.get("wait") is False else None
+    return (rollout, numbers.get("state"), numbers.get("step_index"), move)
