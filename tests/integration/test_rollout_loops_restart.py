@@ -266,7 +266,8 @@ def test_a_loops_process_killed_mid_rollout_resumes_it(
             "handover done",
             "planned again",
         ):
-            assert sum(move in r for r in said) == 1, (move, said)
+            # The ones that say it, whole (a list of all is cut short in pytest's report).
+            assert sum(move in r for r in said) == 1, [r for r in said if move in r]
         assert fleet.most_usd_per_hr <= BUDGET_USD_PER_HR, fleet.most_usd_per_hr
         # Where the second profile run waited for the dead run's worker to be ended (the loops
         # process started again within its 4 s), the wait says that worker is part of the amount.
