@@ -236,10 +236,11 @@ def test_a_loops_process_killed_mid_rollout_resumes_it(
             fleet.rows()
             return [d.reason for d in store.list_decisions(APP, kinds=["rollout"])]
 
-        # The handover done, then the app planned again with the new version, once.
-        wait_for(
+        # The handover done, then the app planned again with the new version, once: waited for
+        # by the answer the rollout stores with its handover (its decision is written after it).
+        planned = wait_for(
             "the plan after the handover",
-            lambda: True if any("planned again" in r for r in reasons()) else None,
+            lambda: rollout()["figures"]["handover"].get("planned"),
             logs,
         )
 
@@ -256,7 +257,11 @@ def test_a_loops_process_killed_mid_rollout_resumes_it(
         assert not [r for r in store.list_instances() if r.state == "requested"]
         # One worker for the rollout's steps all along, running once; every move said once.
         assert [r.id for r in fleet.step_workers()] == [step_workers[0].id]
-        said = reasons()
+        # The start's own decision first: it says what is to come ("... and the app planned
+        # again for it"), so the moves are counted in the loop's decisions after it.
+        start, *said = reasons()
+        assert start.startswith(f"rollout {rid}: ") and "started by" in start, start
+        assert f"rollout {rid}: {planned}" in said, planned
         for move in (
             "profiled before traffic",
             "timed alone before traffic",
