@@ -566,7 +566,6 @@ def _move(
             f"rollout {rollout.id} of {app!r} is pending (the new version is checked before any"
             " traffic moves: no query is on it yet): nothing to pause; abort it to stop it"
         )
-    moved = store.move_rollout(rollout, state=to_state.value, reason=f"{what} by {who}")
     # Where it was when moved: a pending rollout had moved no query yet (its first step's share
     # is what that step would have moved; an abort said "at step 1 of 4 (5% of queries)").
     pending = rollout.state == RolloutState.PENDING
@@ -577,13 +576,19 @@ def _move(
         else f"at step {rollout.step_index + 1} of {len(rollout.steps)} ({100 * share:g}% of"
         " queries)"
     )
-    store.record_decision(
-        app,
-        DECISION_KIND,
-        f"rollout {moved.id}: {what} by {who} {where}",
-        {"rollout_id": moved.id, "state": moved.state, "step_share": share},
+    # Said in the move's transaction (a crash leaves both or neither).
+    return store.move_rollout(
+        rollout,
+        state=to_state.value,
+        reason=f"{what} by {who}",
+        said=lambda moved: [
+            (
+                DECISION_KIND,
+                f"rollout {moved.id}: {what} by {who} {where}",
+                {"rollout_id": moved.id, "state": moved.state, "step_share": share},
+            )
+        ],
     )
-    return moved
 
 
 def pause_rollout(

@@ -49,7 +49,8 @@ Per rollout, each tick:
 5. **Routes** (:meth:`RolloutLoop.route`, the serving loop's hook): running and paused rollouts
    split traffic at their step; a promoted one in handover sends everything to the new version.
 
-Every move is a ``rollout`` decision with its reason.
+Every move is a ``rollout`` decision with its reason, written in the move's transaction
+(``said``): a crash leaves both or neither.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import InstanceRecord, RolloutRecord, Store
+from controlplane.db.store.rollouts import Said
 from controlplane.errors import (
     ConflictError,
     ControlPlaneError,
@@ -379,18 +381,17 @@ class RolloutLoop:
                     rollout, RolloutState.ROLLED_BACK, breach, {"pre_traffic": measured}
                 )
                 return None, moved.reason
-            rollout = self.store.move_rollout(
-                rollout,
-                figures={**rollout.figures, "pre_traffic": measured},
-            )
-            self._decide(rollout, _alone_text(measured), {"pre_traffic": measured})
+            # The timing and the first step in one move, each said: a crash between two moves
+            # timed the workers again after the restart, and said so twice.
+            timed = self._decision(rollout, _alone_text(measured), {"pre_traffic": measured})
             rollout = self.store.move_rollout(
                 rollout,
                 state=RolloutState.RUNNING.value,
                 new_step=True,
+                figures={**rollout.figures, "pre_traffic": measured},
                 reason=f"workers of the new version running; step 1: {_share(rollout, 0)}",
+                said=lambda moved: [timed, self._decision(moved, moved.reason)],
             )
-            self._decide(rollout, rollout.reason)
             return _route(rollout), rollout.reason
         if not ready:  # a worker not (or no longer) running: no traffic to the new version
             return None, ""
@@ -447,9 +448,9 @@ class RolloutLoop:
                 reason=f"step {nxt} passed: {reason}; step {nxt + 1}: {_share(rollout, nxt)}"
                 + (f"; its extra instances grow to {fleet_text(fleet)}" if grown else ""),
                 settings=self._granted(rollout, fleet),
+                said=self._said(None, stored),
             )
             crash_point("rollout.after_step")
-            self._decide(moved, moved.reason, stored)
             # Traffic at the new share once its workers run (the next ticks launch them).
             return (None if grown else _route(moved)), moved.reason
         # COMPLETE: the app serves the new version from now on.
@@ -566,12 +567,13 @@ class RolloutLoop:
         # that and answered what they held (the next ticks after the grace).
         self.store.touch_instances([r.id for r in live])
         handover["done_at"] = self.clock.utcnow().isoformat()
-        moved = self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
         reason = (
             f"handover done: {len(replaced)} instance(s) serve {_labels(rollout)[0]}; the"
             f" rollout's workers end at the loop's first tick {self.route_grace_s:g} s from now"
         )
-        self._decide(moved, reason)
+        self.store.move_rollout(
+            rollout, figures={**rollout.figures, "handover": handover}, said=self._said(reason)
+        )
         return None, reason
 
     def _replaced(
@@ -807,9 +809,9 @@ class RolloutLoop:
         if self.profiling is None:
             settings["profile_run"] = False
             reason = "not profiled (this service does not profile a rollout's new version)"
-            moved = self.store.move_rollout(rollout, settings=settings, reason=reason)
-            self._decide(moved, reason)
-            return moved
+            return self.store.move_rollout(
+                rollout, settings=settings, reason=reason, said=self._said(reason)
+            )
         run = self._runs.get(rollout.id)
         if run is None:
             due = self._retry_at.get(rollout.id)
@@ -854,9 +856,13 @@ class RolloutLoop:
             + f"; the extra instances are sized from {fleet_text(settings['stage_fleet']) or '-'}"
             " at each step's share"
         )
-        moved = self.store.move_rollout(rollout, settings=settings, reason=reason)
+        moved = self.store.move_rollout(
+            rollout,
+            settings=settings,
+            reason=reason,
+            said=self._said(reason, {"profiled": planned}),
+        )
         crash_point("rollout.after_profile")
-        self._decide(moved, reason, {"profiled": planned})
         return moved
 
     def _fleet_at(self, rollout: RolloutRecord, index: int) -> tuple[dict[str, int], bool]:
@@ -917,11 +923,9 @@ class RolloutLoop:
             self._wait(rollout, wait)
             return None
         reason = f"step {index + 1}'s extra instances granted: {fleet_text(fleet)}"
-        moved = self.store.move_rollout(
-            rollout, settings=self._granted(rollout, fleet), reason=reason
+        return self.store.move_rollout(
+            rollout, settings=self._granted(rollout, fleet), reason=reason, said=self._said(reason)
         )
-        self._decide(moved, reason)
-        return moved
 
     def _wait(
         self, rollout: RolloutRecord, reason: str, figures: dict[str, Any] | None = None
@@ -929,9 +933,8 @@ class RolloutLoop:
         """Hold ``rollout`` with ``reason``: a decision when the reason is new (not every
         tick)."""
         fresh = rollout.reason != reason
-        self.store.move_rollout(rollout, reason=reason, figures=figures)
-        if fresh:
-            self._decide(rollout, reason, wait=True)
+        said = self._said(reason, wait=True) if fresh else None
+        self.store.move_rollout(rollout, reason=reason, figures=figures, said=said)
 
     def _pin(self, rollout: RolloutRecord) -> str:
         """The app's spec names the new version (registering pinned the old one); the app's
@@ -1012,10 +1015,9 @@ class RolloutLoop:
                 " its version now and plans the app after its own handover"
             )
             handover["planned"] = said
-            moved = self.store.move_rollout(
-                rollout, figures={**rollout.figures, "handover": handover}
+            self.store.move_rollout(
+                rollout, figures={**rollout.figures, "handover": handover}, said=self._said(said)
             )
-            self._decide(moved, said)
             return said
         try:
             said = self._plan_again(rollout)
@@ -1027,9 +1029,11 @@ class RolloutLoop:
                 return ""
             said = str(error)
         handover["planned"] = said
-        moved = self.store.move_rollout(rollout, figures={**rollout.figures, "handover": handover})
-        if said:
-            self._decide(moved, said)
+        self.store.move_rollout(
+            rollout,
+            figures={**rollout.figures, "handover": handover},
+            said=self._said(said) if said else None,
+        )
         return said
 
     def _plan_again(self, rollout: RolloutRecord) -> str:
@@ -1108,22 +1112,36 @@ class RolloutLoop:
         reason: str,
         figures: dict[str, Any] | None = None,
     ) -> RolloutRecord:
-        moved = self.store.move_rollout(rollout, state=state.value, reason=reason, figures=figures)
-        self._decide(moved, reason, figures)
-        return moved
+        return self.store.move_rollout(
+            rollout,
+            state=state.value,
+            reason=reason,
+            figures=figures,
+            said=self._said(reason, figures),
+        )
 
-    def _decide(
+    def _said(
+        self, reason: str | None, figures: dict[str, Any] | None = None, *, wait: bool = False
+    ) -> Said:
+        """What says a move: one ``rollout`` decision of the rollout as moved, with ``reason``
+        (None: the move's own), written in the move's transaction (a crash leaves both or
+        neither: the restarted loop makes the move again, and says it once)."""
+        return lambda moved: [
+            self._decision(moved, moved.reason if reason is None else reason, figures, wait=wait)
+        ]
+
+    def _decision(
         self,
         rollout: RolloutRecord,
         reason: str,
         figures: dict[str, Any] | None = None,
         *,
         wait: bool = False,
-    ) -> None:
-        """A ``rollout`` decision: ``wait`` (``numbers.wait``) says it holds the rollout where
-        it is, else it is a move, so that ``heteroplane events`` folds only waits together."""
-        self.store.record_decision(
-            rollout.app,
+    ) -> tuple[str, str, dict[str, Any]]:
+        """A ``rollout`` decision (kind, reason, numbers): ``wait`` (``numbers.wait``) says it
+        holds the rollout where it is, else it is a move, so that ``heteroplane events`` folds
+        only waits together."""
+        return (
             DECISION_KIND,
             f"rollout {rollout.id}: {reason}",
             {

@@ -480,6 +480,67 @@ def test_the_app_is_planned_again_once_after_the_handover(
     assert decided.count(f"rollout {rollout.id}: {planned}") == 1, decided
 
 
+def test_a_move_whose_decision_was_not_written_is_made_again_and_said_once(
+    handover: Handover, tmp_path: Path
+) -> None:
+    """The write of a move's decision fails (the process dies there, or its database write
+    does): the move is not kept either, so the loop started again makes it again and says it
+    once. Here the handover's end and the plan after it, each failing once. The decision used
+    to be written after the move, in a transaction of its own: the move was kept, the loop
+    started again read it done, and the move was never said (the plan, a "planned again"
+    decision, too)."""
+    from sqlalchemy import event
+
+    from controlplane.db import models as m
+    from controlplane.loops.rollouts import ROUTE_GRACE_S
+
+    clock, store = handover.clock, handover.store
+    plan = handover.rate_plan()
+    (rollout,) = store.list_rollouts(APP)
+    figures = rollout.figures
+    store.move_rollout(
+        rollout, figures={**figures, "handover": {**figures["handover"], "plan_after": True}}
+    )
+    failing = ["handover done", "planned again"]
+
+    def killed(_mapper: Any, _connection: Any, row: m.DecisionRow) -> None:
+        if failing and failing[0] in row.reason:
+            failing.pop(0)
+            raise RuntimeError("test: the process died writing the decision")
+
+    event.listen(m.DecisionRow, "before_insert", killed)
+    try:
+        clock.advance(ROUTE_GRACE_S)
+        assert [t.what for t in handover.loop(tmp_path).tick()] == [
+            "ended 2 instance(s) of the old version"
+        ]
+        clock.advance(1.0)
+        handover.row("wine-3")
+        handover.row("wine-4")
+        clock.advance(ROUTE_GRACE_S)
+        assert handover.loop(tmp_path).tick() == []  # died saying the handover's end
+        assert failing == ["planned again"]
+        (done,) = [t.what for t in handover.loop(tmp_path).tick()]  # started again
+        assert done.startswith("handover done: 2 instance(s)")
+        clock.advance(ROUTE_GRACE_S)
+        assert [t.what for t in handover.loop(tmp_path).tick()] == [
+            "ended 1 worker(s) of the new version"
+        ]
+        assert handover.loop(tmp_path).tick() == []  # died saying the plan
+        assert failing == []
+        assert "planned" not in store.list_rollouts(APP)[0].figures["handover"]
+        again = handover.loop(tmp_path)
+        (planned,) = [t.what for t in again.tick()]
+        assert planned.startswith(f"plan {plan.id} stays: the app could not be planned again (")
+        assert again.tick() == [] and handover.loop(tmp_path).tick() == []
+    finally:
+        event.remove(m.DecisionRow, "before_insert", killed)
+    decided = [d.reason for d in store.list_decisions(APP, kinds=["rollout"])]
+    for move in ("handover done", "planned again"):
+        assert sum(move in r for r in decided) == 1, decided
+    assert store.list_rollouts(APP)[0].figures["handover"]["planned"] == planned
+
+
 def _a_second_rollout_before_the_first_ones_plan(
     handover: Handover, tmp_path: Path
 ) -> tuple[Any, Any, Any, Callable[[], list[str]]]:

@@ -25,9 +25,40 @@ from controlplane.db.store.records import (
 )
 from controlplane.errors import InvalidValueError
 
-__all__ = ["DecisionStore"]
+__all__ = ["DecisionStore", "add_decision"]
 
 _DECISION_KEY_MAX = 200
+
+
+def add_decision(
+    session: Session,
+    app_id: int,
+    kind: str,
+    reason: str,
+    numbers: Mapping[str, Any],
+    at: datetime,
+) -> None:
+    """A decision (unkeyed) of the app ``app_id`` written in ``session``'s transaction: with the
+    write it says (a rollout's move, :meth:`RolloutStore.move_rollout`), both or neither."""
+    body = _json_document(numbers, "numbers")
+    _add_row(session, app_id, _label(kind, "kind", max_length=32), reason, body, None, at)
+
+
+def _add_row(
+    session: Session,
+    app_id: int,
+    kind: str,
+    reason: str,
+    body: dict[str, Any],
+    key: str | None,
+    at: datetime,
+) -> m.DecisionRow:
+    decision = m.DecisionRow(
+        app_id=app_id, at=at, kind=kind, reason=reason, numbers=body, key=key, count=1
+    )
+    session.add(decision)
+    session.flush()
+    return decision
 
 
 class DecisionStore(StoreBase):
@@ -71,11 +102,7 @@ class DecisionStore(StoreBase):
                 same.numbers = body
                 session.flush()
                 return _decision_record(same, app)
-            decision = m.DecisionRow(
-                app_id=row.id, at=now, kind=kind, reason=reason, numbers=body, key=key, count=1
-            )
-            session.add(decision)
-            session.flush()
+            decision = _add_row(session, row.id, kind, reason, body, key, now)
             return _decision_record(decision, app)
 
     def _repeated(

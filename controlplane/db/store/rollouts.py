@@ -8,12 +8,13 @@
   settings,
   compare-and-set on the state and step it was read at (a loop and a user acting at once: one
   wins, the other reads :class:`~controlplane.errors.ConflictError`), along the table of
-  :data:`controlplane.policies.rollout.TRANSITIONS`.
+  :data:`controlplane.policies.rollout.TRANSITIONS`; the decisions that say the move are written
+  in its transaction (``said``), so that a crash leaves the move and its words both or neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,6 +24,7 @@ from sqlalchemy import select, update
 from controlplane.db import models as m
 from controlplane.db.session import transaction
 from controlplane.db.store.base import StoreBase, _app_row, _json_document, _label, _translated
+from controlplane.db.store.decisions import add_decision
 from controlplane.errors import ConflictError, NotFoundError
 from controlplane.policies.rollout_states import (
     ACTIVE_STATES,
@@ -30,7 +32,7 @@ from controlplane.policies.rollout_states import (
     check_rollout_transition,
 )
 
-__all__ = ["RolloutRecord", "RolloutStore"]
+__all__ = ["RolloutRecord", "RolloutStore", "Said"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,11 @@ class RolloutRecord:
     @property
     def active(self) -> bool:
         return self.state in ACTIVE_STATES
+
+
+# What says a move (:meth:`RolloutStore.move_rollout`): of the rollout as moved, the decisions
+# written with it, each ``(kind, reason, numbers)``.
+Said = Callable[["RolloutRecord"], Sequence[tuple[str, str, Mapping[str, Any]]]]
 
 
 class RolloutStore(StoreBase):
@@ -172,13 +179,16 @@ class RolloutStore(StoreBase):
         reason: str | None = None,
         new_step: bool = False,
         settings: Mapping[str, Any] | None = None,
+        said: Said | None = None,
         at: datetime | None = None,
     ) -> RolloutRecord:
         """``seen`` moved to ``state`` / ``step_index`` (``new_step``: the step's clock starts
         again now), with its figures and reason (and ``settings``: the whole settings document,
         as the loop completes them: what the start's profile run measured, the step's extra
         fleet); :class:`ConflictError` when the row is no longer at the state and step ``seen``
-        read."""
+        read. ``said``: the decisions that say the move (of the rollout as moved), written in the
+        same transaction: a crash between the two would leave a move said never (the restarted
+        loop reads it done) or, written first, twice."""
         if state is not None and state != seen.state:
             check_rollout_transition(seen.state, state)
         now = self._now(at)
@@ -212,7 +222,10 @@ class RolloutStore(StoreBase):
             row = session.get(m.Rollout, seen.id)
             assert row is not None
             session.refresh(row)
-            return _record(row, seen.app)
+            moved = _record(row, seen.app)
+            for kind, text, numbers in said(moved) if said is not None else ():
+                add_decision(session, row.app_id, kind, text, numbers, now)
+            return moved
 
 
 def _record(row: m.Rollout, app: str) -> RolloutRecord:
