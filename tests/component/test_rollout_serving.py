@@ -592,6 +592,38 @@ def test_a_restart_mid_rollout_resumes_at_its_step(world: World) -> None:
     scenario(world, body)
 
 
+def test_a_crash_as_the_first_step_begins_times_the_workers_again_and_says_it_once(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process dies as the rollout moves to its first step (the move not written): the
+    loop started again times the workers alone again and moves on, each said once. The timing
+    used to be a move of its own, written and said before the step's: it was said twice."""
+    real = world.store.move_rollout
+    dying = [True]
+
+    def move(seen: Any, **changes: Any) -> Any:
+        if dying and changes.get("state") == "running":
+            dying.pop()
+            raise RuntimeError("test: the process died moving to the first step")
+        return real(seen, **changes)
+
+    async def body(client: httpx.AsyncClient) -> None:
+        old, new = await fleet(), await fleet()
+        world.instances.set(APP, [WorkerEndpoint("old-0", SMALL, old[0].address)])
+        rid = world.start()
+        monkeypatch.setattr(world.store, "move_rollout", move)
+        assert await world.workers_up(rid, new, expect="pending") == []
+        assert not dying and world.state(rid).state == "pending"
+        (running,) = await world.tick()
+        assert running.startswith("workers of the new version running"), running
+        decided = [d.reason for d in world.store.list_decisions(APP, kinds=["rollout"])]
+        for said in ("timed alone before traffic", "workers of the new version running"):
+            assert sum(said in r for r in decided) == 1, [r for r in decided if said in r]
+        assert "pre_traffic" in world.state(rid).figures
+
+    scenario(world, body)
+
+
 def test_a_worker_ended_by_someone_else_rolls_the_rollout_back(world: World) -> None:
     """The budget guard, ``app down`` or the reconciler's reaping may end a rollout's worker;
     it is never launched again under its request id, so the rollout rolls back."""
