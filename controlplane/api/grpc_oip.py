@@ -39,7 +39,9 @@ generated from Triton's ``grpc_service.proto``); the methods served:
 Every other method of the service (model configuration, statistics, the repository, shared
 memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
 ``heteroplane_api_requests_total`` under their app, as REST's answer would be (200, or the
-status below). An error is the REST answer's status and one-line
+status below; a call cut by its own deadline, a 504, as REST's query past its timeout: one its
+client cancelled sooner is not counted, as a REST client gone is not). An error is the REST
+answer's status and one-line
 message (:func:`~controlplane.api.errors.render_error`, the same mapping) as a gRPC status:
 
 ====================  ======================  ==================================================
@@ -114,6 +116,7 @@ from provisioners.artifacts import ArtifactError, ModelSignature, numpy_dtype
 from provisioners.worker.oip import MODEL_VERSION, OipError, model_metadata, value_count_error
 
 __all__ = [
+    "DEADLINE_SLACK_S",
     "SERVICE",
     "STOP_GRACE_S",
     "GrpcOip",
@@ -130,6 +133,11 @@ logger = logging.getLogger(__name__)
 SERVICE = "inference.GRPCInferenceService"
 # How long the calls in flight may take to finish when the server stops, s.
 STOP_GRACE_S = 5.0
+# A call cancelled this close to its deadline, s, was cut by it: the client's cancel at its
+# deadline reaches the server a trip after the client's deadline, and the server's deadline is
+# a trip after it too (the grpc-timeout header's), so it comes a trip's jitter before or after
+# the server's (5 ms before it on a loaded test machine).
+DEADLINE_SLACK_S = 1.0
 
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -549,6 +557,17 @@ def _handlers(service: GrpcOip) -> Any:
                     who = await service.principal(metadata)
                 request = _parse(request_type, payload)
                 answer = await method(request, who, call)
+            except asyncio.CancelledError:
+                # grpc cancels the handler when the call's deadline passes (the client's cancel
+                # at its deadline, or the server's own timer), before the serving loop's
+                # deadline (the same instant, read later) refuses the query: REST's 504,
+                # counted as REST counts it. A call its client cancelled sooner is not
+                # counted, as a REST client gone is not (no answer).
+                remaining = context.time_remaining()
+                if name not in _OPEN and remaining is not None and remaining <= DEADLINE_SLACK_S:
+                    model = "" if request is None else _model_of(request)
+                    service.services.requests.add(model, 504)
+                raise
             except Exception as error:
                 refused = _refusal(name, error)
             else:

@@ -19,6 +19,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.grpc_oip import (
     SERVICE,
@@ -437,3 +438,47 @@ def test_admissions_refusal_is_resource_exhausted_with_retry_after(
         assert worker.received == 1
         for call in (queued, first):
             call.cancel()
+
+
+def _answers(world: ApiWorld, url: str, status: int) -> float:
+    """``heteroplane_api_requests_total`` of the demo's answers of ``status``, as ``GET
+    /metrics`` says it (Prometheus' parser)."""
+    answer = httpx.get(f"{url}/metrics", headers=world.auth("viewer"), trust_env=False)
+    assert answer.status_code == 200, answer.text
+    labels = {"app": "demo", "status": str(status)}
+    return sum(
+        float(sample.value)
+        for family in text_string_to_metric_families(answer.text)
+        for sample in family.samples
+        if sample.name == "heteroplane_api_requests_total" and sample.labels == labels
+    )
+
+
+def test_a_call_cut_by_its_deadline_is_counted_as_rests_504(
+    held: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """A call whose gRPC deadline passes while its query waits (grpc cancels its handler) is
+    counted in ``/metrics`` as REST counts a query past its ``parameters.timeout``: a 504 under
+    its app. A call its client cancels is not, as a REST client gone is not."""
+    world, worker, address, url = held
+    _hold(world, admission=False)
+    before = _answers(world, url, 504)
+    with _worker_held(world, worker, address) as (infer, metadata, first):
+        late = infer.future(_one_row(2), metadata=metadata, timeout=1.0)
+        with pytest.raises(grpc.RpcError) as expired:
+            late.result(timeout=30.0)
+        assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _until(
+            "the call cut by its deadline was not counted",
+            lambda: _answers(world, url, 504) == before + 1,
+        )
+        cancelled = infer.future(_one_row(3), metadata=metadata, timeout=60.0)
+        _until("the query to cancel never queued", lambda: _queued(world, url)[0] == 1)
+        assert cancelled.cancel()
+        _until("the cancelled query is still queued", lambda: _queued(world, url)[0] == 0)
+        first.cancel()
+    # The REST routes the test asked (the demo's serving status) count 200s under it too.
+    counts = world.app.state.services.requests.snapshot()
+    assert {key: n for key, n in counts.items() if key[0] == "demo" and key[1] != 200} == {
+        ("demo", 504): 1
+    }
