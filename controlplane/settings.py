@@ -271,6 +271,12 @@ class Settings(BaseSettings):
         le=65535,
         description="port of the Open Inference Protocol over gRPC (on host); 0 picks a free one",
     )
+    grpc_calls_max: int = Field(
+        default=1000,
+        ge=1,
+        description="gRPC calls that take a token in flight at most (all connections); one more"
+        " is RESOURCE_EXHAUSTED at once",
+    )
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     gear_interval_s: float = Field(
         default=0.1,

@@ -40,7 +40,10 @@ Every other method of the service (model configuration, statistics, the reposito
 memory, streaming) answers ``UNIMPLEMENTED``. The model calls are counted in ``GET /metrics``'
 ``heteroplane_api_requests_total`` under their app, as REST's answer would be (200, or the
 status below; a call cut by its own deadline, a 504, as REST's query past its timeout: one its
-client cancelled sooner is not counted, as a REST client gone is not). An error is the REST
+client cancelled sooner is not counted, as a REST client gone is not). At most the setting
+``grpc_calls_max`` calls that need a token are in flight: one more is ``RESOURCE_EXHAUSTED`` at
+once, before its token is checked or its message parsed (``retry-after`` 1 s trailing metadata;
+counted as a 429 under no app); the health calls are never refused. An error is the REST
 answer's status and one-line
 message (:func:`~controlplane.api.errors.render_error`, the same mapping) as a gRPC status:
 
@@ -235,13 +238,25 @@ def _refusal(method: str, error: Exception) -> _Refusal:
 class GrpcOip:
     """The service's methods over the API's :class:`~controlplane.api.deps.Services`."""
 
-    def __init__(self, services: Services, max_message_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        services: Services,
+        max_message_bytes: int | None = None,
+        max_calls: int | None = None,
+    ) -> None:
         self.services = services
         self.tokens = TokenCheck(services.store)
         # The server's limit on a message it sends (attach's): an answer past it is refused.
         self.max_message_bytes = (
             services.settings.oip_body_max_bytes if max_message_bytes is None else max_message_bytes
         )
+        # The calls that need a token in flight, and their cap: one more is refused at once
+        # (each holds a task and its message until it ends). Counted here, not by grpcio's
+        # maximum_concurrent_rpcs: grpcio releases before 2024 held the calls past it waiting,
+        # and later ones (1.76 among them) let calls past it once they had refused some, their
+        # count gone below zero (grpc/grpc#41531).
+        self.calls = 0
+        self.max_calls = services.settings.grpc_calls_max if max_calls is None else max_calls
 
     async def server_live(self, _request: Any, _who: Principal | None, _call: _Call) -> Any:
         return pb.ServerLiveResponse(live=True)
@@ -540,6 +555,23 @@ def _handlers(service: GrpcOip) -> Any:
         # malformed message, a string field that is not UTF-8) is answered by grpc itself as
         # UNKNOWN, with a traceback in the log.
         async def handle(payload: bytes, context: aio.ServicerContext) -> Any:
+            if name in _OPEN:
+                return await serve(payload, context)
+            if service.calls >= service.max_calls:
+                service.services.requests.add("", 429)
+                context.set_trailing_metadata((("retry-after", "1"),))
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{service.calls:,} gRPC calls are in flight, the server's limit"
+                    " (grpc_calls_max): send again later",
+                )
+            service.calls += 1
+            try:
+                return await serve(payload, context)
+            finally:
+                service.calls -= 1
+
+        async def serve(payload: bytes, context: aio.ServicerContext) -> Any:
             request = None
             serving = service.services.serving
             metadata = dict(context.invocation_metadata() or ())
@@ -612,17 +644,22 @@ class Listener:
     port: int | None = None
 
 
-def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listener:
+def attach(
+    app: FastAPI, host: str, port: int, max_message_bytes: int, max_calls: int | None = None
+) -> Listener:
     """Serve the protocol over gRPC on ``host:port`` (0: a free port) while ``app`` runs: the
     server starts in the app's lifespan, after what the lifespan starts (the serving loop), and
     stops before it. Messages up to ``max_message_bytes`` (the setting
-    ``oip_body_max_bytes``, as on REST); a larger one is ``RESOURCE_EXHAUSTED``."""
+    ``oip_body_max_bytes``, as on REST); a larger one is ``RESOURCE_EXHAUSTED``. At most
+    ``max_calls`` calls that need a token in flight (default: the setting ``grpc_calls_max``;
+    :class:`GrpcOip`)."""
     listener = Listener(host)
     inner = app.router.lifespan_context
 
     @asynccontextmanager
     async def lifespan(running: FastAPI) -> AsyncIterator[Any]:
         async with inner(running) as state:
+            services: Services = running.state.services
             server = aio.server(
                 options=[
                     # Another process on the port is an error, not a second listener.
@@ -631,7 +668,7 @@ def attach(app: FastAPI, host: str, port: int, max_message_bytes: int) -> Listen
                     ("grpc.max_send_message_length", max_message_bytes),
                 ]
             )
-            service = GrpcOip(running.state.services, max_message_bytes)
+            service = GrpcOip(services, max_message_bytes, max_calls)
             server.add_generic_rpc_handlers((_handlers(service),))
             address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             bound: int | None = None

@@ -331,15 +331,28 @@ def test_a_request_past_the_apps_own_limit_is_refused_as_on_rest(
 # --- a query nobody waits for, and admission's refusal, over gRPC ---------------------------------
 
 
+@contextlib.contextmanager
+def _hung(world: ApiWorld, **limits: Any) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
+    listener = attach(world.app, "127.0.0.1", 0, world.settings.oip_body_max_bytes, **limits)
+    with live_server(world, [LARGE]) as ((worker,), address):
+        worker.hang = True
+        yield world, worker, f"127.0.0.1:{listener.port}", f"http://{address}"
+
+
 @pytest.fixture
 def held(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
     """gRPC beside the API over one fake worker (batch cap 1 in the demo's plan) that never
     answers (``hang``): the first query holds it and what follows queues. Calls are held for
     as long as the test may take. Yields (world, worker, gRPC host:port, REST URL)."""
-    listener = attach(world.app, "127.0.0.1", 0, world.settings.oip_body_max_bytes)
-    with live_server(world, [LARGE]) as ((worker,), address):
-        worker.hang = True
-        yield world, worker, f"127.0.0.1:{listener.port}", f"http://{address}"
+    with _hung(world) as held:
+        yield held
+
+
+@pytest.fixture
+def capped(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
+    """:func:`held`'s, with the gRPC server's calls in flight capped at 2."""
+    with _hung(world, max_calls=2) as held:
+        yield held
 
 
 def _hold(world: ApiWorld, **settings: Any) -> None:
@@ -482,3 +495,53 @@ def test_a_call_cut_by_its_deadline_is_counted_as_rests_504(
     assert {key: n for key, n in counts.items() if key[0] == "demo" and key[1] != 200} == {
         ("demo", 504): 1
     }
+
+
+def test_calls_past_the_cap_are_resource_exhausted_and_the_server_serves_on(
+    capped: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """With ``grpc_calls_max`` calls in flight (2: one held by the worker, one queued behind
+    it), one more is ``RESOURCE_EXHAUSTED`` at once, whatever its connection, with
+    ``retry-after`` (REST's 429's code), and counted as a 429, rather than held too; the health
+    calls are still answered. Once a call ends the server answers again, and the cap holds as
+    before (grpcio's own cap had let every call through once it had refused some)."""
+    world, worker, address, url = capped
+    _hold(world, admission=False)
+    client = grpcclient.InferenceServerClient(address)  # a connection of its own
+    headers = {"authorization": f"Bearer {world.tokens['infer']}"}
+    refusals = 0
+
+    def answered() -> bool:
+        nonlocal refusals
+        try:
+            metadata = client.get_model_metadata("demo", headers=headers, as_json=True)
+        except InferenceServerException as error:  # the call still ending
+            assert error.status() == "StatusCode.RESOURCE_EXHAUSTED", error.message()
+            refusals += 1
+            return False
+        assert metadata["name"] == "demo"
+        return True
+
+    try:
+        with _worker_held(world, worker, address) as (infer, metadata, first):
+            for value in (2, 3):
+                queued = infer.future(_one_row(value), metadata=metadata, timeout=60.0)
+                _until("the second query never queued", lambda: _queued(world, url)[0] == 1)
+                with pytest.raises(grpc.RpcError) as refused:
+                    infer(_one_row(9), metadata=metadata, timeout=30.0)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "grpc_calls_max" in refused.value.details()
+                assert dict(refused.value.trailing_metadata() or ())["retry-after"] == "1"
+                with pytest.raises(InferenceServerException) as other:
+                    client.get_model_metadata("demo", headers=headers, client_timeout=30.0)
+                assert other.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+                refusals += 2
+                assert client.is_server_live() and client.is_server_ready()
+                assert worker.received == 1 and _queued(world, url)[0] == 1
+                assert queued.cancel()
+                _until("the cancelled query is still queued", lambda: _queued(world, url)[0] == 0)
+                _until("the server never answered again", answered)
+            first.cancel()
+    finally:
+        client.close()
+    assert world.app.state.services.requests.snapshot()[("", 429)] == refusals

@@ -352,7 +352,7 @@ def _infer(rows: int, outputs: tuple[str, ...], limit: int) -> Any:
     request = _raw("FP32", np.zeros((rows, 3), dtype=np.float32))
     for name in outputs:
         request.outputs.add(name=name)  # type: ignore[attr-defined]
-    service = GrpcOip(_Services(), max_message_bytes=limit)  # type: ignore[arg-type]
+    service = GrpcOip(_Services(), max_message_bytes=limit, max_calls=1)  # type: ignore[arg-type]
     call = grpc_oip._Call(None, None)
     return asyncio.run(service.model_infer(request, None, call))
 
