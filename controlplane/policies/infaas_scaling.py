@@ -56,24 +56,30 @@ tick:
    are launched (from the policy's lower count, a "+1" bought nothing where the drained
    instance still ran, and the next tick asked again).
 3. **Drain** (section 4.2.2, "Scaling down algorithm", and VM-Autoscaler). An instance is
-   *underused* when no model it serves is overloaded, its busy share (when known) is at most U,
-   and without it every model it serves still carries its load at U_drain < U (Q_m - Q_{m,t})
-   U_drain >= lambda_m (``drain_utilisation``, 0.7: the band between the two thresholds is the
-   policy's hysteresis; a drain judged at U itself left a load just under U times the rest's
-   capacity at U, and a load a little over it, 4 s later, bought the instance back, every hold
-   while the load sat there). A type that has had an underused instance for the hold
-   (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling
-   action within the hold, nothing of it still loading and no drain still to be carried out (the
-   test counts every instance that serves: judged on them, a second drain the reconciler had not
-   caught up with took the fleet below the load; which drains are still to be carried out is the
-   reconciler's word, the context's ``held_back``: the instances it keeps past the fleet's count,
-   or a fleet its last pass has not read yet, not a spot move's or an interruption's
-   replacements or a stand-in serving beside the fleet), is drained: ``infaas_drain``, its
-   count down by one, the most expensive type first (so a cheaper variant that carries the
-   load alone is kept: a downgrade). The hold is the type's, not the instance's: the
-   reconciler picks which instance of the type ends, and an instance's own clock, restarted for
-   the one the decision named, let a cheaper type's older clock win the next drain (an idle app
-   ended on its dearest type). The app keeps at least one instance.
+   *underused* when no model it serves is overloaded, its busy share (when known) is at most U, and
+   without it every model it serves still carries its load at U_drain < U (Q_m - Q_{m,t}) U_drain
+   >= lambda_m (``drain_utilisation``, 0.7: the band between the two thresholds is the policy's
+   hysteresis; a drain judged at U itself left a load just under U times the rest's capacity at U,
+   and a load a little over it, 4 s later, bought the instance back, every hold while the load sat
+   there), and no model it serves would be left at most a capacity it was found short at
+   (``short_at`` in the state: overloaded at load L on the capacity that served, or its load over U
+   times its capacity) unless its load is now at most U_drain / U of L (the same band, where the
+   profiles' capacity was not what served: one cpu of Q 10 overloaded at 6.5 qps, two were drained
+   to one by the profiles at 0.7 x 10, and the overload bought it back, every hold). A capacity
+   short at L is short at L on less; a pair the model has since carried (not overloaded nor short
+   at as much load on no more capacity) is forgotten. A type that has had an underused instance for
+   the hold (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no
+   scaling action within the hold, nothing of it still loading and no drain still to be carried out
+   (the test counts every instance that serves: judged on them, a second drain the reconciler had
+   not caught up with took the fleet below the load; which drains are still to be carried out is
+   the reconciler's word, the context's ``held_back``: the instances it keeps past the fleet's
+   count, or a fleet its last pass has not read yet, not a spot move's or an interruption's
+   replacements or a stand-in serving beside the fleet), is drained: ``infaas_drain``, its count
+   down by one, the most expensive type first (so a cheaper variant that carries the load alone is
+   kept: a downgrade). The hold is the type's, not the instance's: the reconciler picks which
+   instance of the type ends, and an instance's own clock, restarted for the one the decision
+   named, let a cheaper type's older clock win the next drain (an idle app ended on its dearest
+   type). The app keeps at least one instance.
 
 A *stand-in* (an instance of type C the reconciler runs in place of one of type G of the fleet,
 the context's ``held_back.stand_ins``) counts as present for G, by its share (k smaller ones
@@ -136,6 +142,8 @@ DEFAULT_DRAIN_UTILISATION = 0.7
 DEFAULT_INTERFERED_SHARE = 1.0 / 1.5
 
 _EPS = 1e-9
+# Capacities and loads compared in the drain's guard (qps: sums of profiles' rates).
+_TOL = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +253,8 @@ class HeldBack:
 
 @dataclass(frozen=True, slots=True)
 class ScalingContext:
-    """What one tick sees for one app: the time, the measured load of each model (qps: the
-    app's arrivals times the share of queries reaching the model), the running instances, the
+    """What one tick sees for one app: the time, the measured load of each model (qps, in the
+    queries Q_v counts: what the model's queue receives), the running instances, the
     variants, prices, the budget (USD/hr, a hard limit), the spec's caps per type, per
     overloaded model what its state was judged on, and what the reconciler still holds back of
     the policy's drains (``held_back``; ``None``, not known: a type with more instances serving
@@ -279,6 +287,9 @@ class ScalerState:
     # None: no drain yet. An overload verdict whose window reaches back before it was judged on
     # the fleet before the drain (rule 2).
     drained_s: float | None = None
+    # Per model, the (capacity, load) pairs (qps) it was found short at (rule 3's guard): a
+    # drain that leaves it at most such a capacity waits for the load to fall well below.
+    short_at: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +397,7 @@ def decide(
     """
     tick = _Tick.of(ctx, state, config or ScalingConfig())
     relieved = _relieve_interference(tick, state.relieved)
+    tick.short_at = _found_short(tick, state.short_at)
     scaled_up, capped = _scale_up(tick, state.capped)
     underused_since: dict[str, float] = {}
     drained = False
@@ -402,6 +414,7 @@ def decide(
         relieved=frozenset(relieved),
         capped=capped,
         drained_s=ctx.now_s if drained else state.drained_s,
+        short_at=tick.short_at,
     )
 
 
@@ -427,6 +440,8 @@ class _Tick:
     capacity_now: dict[str, float] = field(default_factory=dict)
     counted: dict[tuple[str, str], float] = field(default_factory=dict)
     decisions: list[ScalingDecision] = field(default_factory=list)
+    # Per model, the (capacity, load) pairs it was found short at (rule 3's guard).
+    short_at: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, ctx: ScalingContext, state: ScalerState, config: ScalingConfig) -> _Tick:
@@ -620,6 +635,53 @@ def _judged_before_the_drain(tick: _Tick, note: OverloadNote | None) -> bool:
         return False
     window_s = note.numbers.get("window_s")
     return window_s is not None and tick.ctx.now_s - tick.drained_s < window_s
+
+
+def _found_short(
+    tick: _Tick, before: Mapping[str, tuple[tuple[float, float], ...]]
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """Per model, the (capacity, load) pairs (qps) it has been found short at, with this tick's:
+    overloaded (a verdict not judged partly before the last drain) at load L on the capacity
+    that serves, or its load over U times its capacity, what is loading included. A capacity
+    short at L is short at L on less capacity too, so a pair another makes redundant (as much
+    capacity or more, short at no more load) is dropped; one that the model has since carried
+    (not overloaded, nor short of capacity, at as much load on no more capacity) is forgotten."""
+    u = tick.config.utilisation
+    out: dict[str, tuple[tuple[float, float], ...]] = {}
+    for m in tick.models:
+        load = float(tick.ctx.load_qps.get(m, 0.0))
+        now = tick.capacity_now[m]
+        loading = sum(tick.pending.get(t, 0) * tick.q.get((m, t), 0.0) for t in tick.pending)
+        overloaded_any = any(i.states[m] == "overloaded" for i in tick.serving(m))
+        overloaded = overloaded_any and not _judged_before_the_drain(tick, tick.ctx.overload.get(m))
+        short = load > u * (now + loading) + _EPS
+        pairs = list(before.get(m, ()))
+        if overloaded:
+            pairs.append((now, load))
+        if short:
+            pairs.append((now + loading, load))
+        if not (overloaded_any or short):
+            pairs = [(c, w) for c, w in pairs if not (now <= c + _TOL and load >= w - _TOL)]
+        kept = {
+            (c, w)
+            for c, w in pairs
+            if not any((c2, w2) != (c, w) and c2 >= c and w2 <= w for c2, w2 in pairs)
+        }
+        if kept:
+            out[m] = tuple(sorted(kept))
+    return out
+
+
+def _short_after_drain(tick: _Tick, m: str, remaining_qps: float, load_qps: float) -> bool:
+    """Rule 3's guard: whether a drain that leaves ``m`` ``remaining_qps`` of capacity would
+    leave it at most a capacity it was found short at (:func:`_found_short`) with its load not
+    yet below U_drain / U of the load it was short at: the drain's band under the scale-up's,
+    measured where the profile's capacity was not what served."""
+    ratio = tick.config.drain_utilisation / tick.config.utilisation
+    return any(
+        c >= remaining_qps - _TOL and load_qps > ratio * w + _TOL
+        for c, w in tick.short_at.get(m, ())
+    )
 
 
 def _scale_up_choice(tick: _Tick, need: _Need) -> tuple[str, int, bool] | None:
@@ -834,6 +896,9 @@ def _underused(tick: _Tick, state: ScalerState) -> tuple[dict[str, float], list[
             and (busy is None or busy <= u)
             and all(
                 (tick.capacity_now[m] - tick.one_count_qps(m, inst)) * u_drain >= loads[m] - _EPS
+                and not _short_after_drain(
+                    tick, m, tick.capacity_now[m] - tick.one_count_qps(m, inst), loads[m]
+                )
                 for m in served
             )
         )

@@ -250,6 +250,44 @@ def test_a_load_at_the_threshold_does_not_drain_and_replicate_in_turn() -> None:
         ScalingConfig(utilisation=0.8, drain_utilisation=0.9)
 
 
+def test_a_steady_load_one_instance_cannot_carry_is_replicated_once_and_not_drained() -> None:
+    """One cpu (Q 10 by its profile) is overloaded at a steady 6.5 qps (it serves about 6): the
+    profile says two carry it at 0.7 x 10 after a drain, the state says one does not. The drain
+    and the overload took turns, every hold plus the serving loop's 10 s window (seen live on
+    the demo's `large`). Found short at 6.5 qps on 10, the model keeps its second cpu until the
+    load is below U_drain / U of it; at 5 qps, which one cpu serves, the cpu goes."""
+    config = ScalingConfig(hold_s=5.0)
+    note = OverloadNote(("arrivals 6.5 samples/s >= capacity 6 samples/s",), {"window_s": 10.0})
+    state = initial_state({"cpu": 1}, 0.0)
+    actions = []
+
+    def tick(now: float, load: float, serves: float = 6.0) -> list[str]:
+        nonlocal state
+        n = state.fleet["cpu"]
+        short = n == 1 and load > serves
+        busy = load / serves / n
+        fleet = [cpu(f"i-{k}", "overloaded" if short else "active", busy) for k in range(n)]
+        ctx = replace(context(now, load, fleet), overload={"m": note} if short else {})
+        decisions, state = decide(ctx, state, config)
+        return [d.action for d in decisions]
+
+    for now in range(1, 121):
+        actions += tick(float(now), 6.5)
+    assert actions == ["infaas_replicate"] and dict(state.fleet) == {"cpu": 2}, actions
+    assert dict(state.short_at) == {"m": ((10.0, 6.5),)}
+    # 5.9 qps is not below 0.875 x 6.5: still kept. At 5 qps one cpu goes, and stays enough.
+    for now in range(121, 141):
+        actions += tick(float(now), 5.9)
+    assert actions == ["infaas_replicate"]
+    for now in range(141, 201):
+        actions += tick(float(now), 5.0)
+    assert actions == ["infaas_replicate", "infaas_drain"] and dict(state.fleet) == {"cpu": 1}
+    # Once one cpu carries 6.5 qps (it serves 7 now), what it was found short at is forgotten.
+    for now in range(201, 211):
+        actions += tick(float(now), 6.5, serves=7.0)
+    assert actions[2:] == [] and dict(state.short_at) == {}, actions
+
+
 def gpu(name: str, busy: float | None = 0.0) -> ServedInstance:
     return ServedInstance(name, "gpu", {"m": "active"}, busy)
 
