@@ -12,10 +12,14 @@ service runs it in the ``tuner_tick`` job, after the live tuner) it reads, for e
   state of each model on each of them (:mod:`controlplane.serving.states`), and what an
   overloaded model's state was judged on (refusals, arrival rate, backlog: the decision's reason
   says it);
-- the app's recent arrivals (an injected :data:`ArrivalSource`, ``ServingLoop.observed_arrivals``):
-  the load of each model is the arrivals of the last ``window_s`` (INFaaS's monitoring daemon
-  reports every 2 s) over ``window_s``, times the share of queries reaching the model (the
-  applied plan's ``scale_factor`` of its stage, 1 when absent);
+- the load of each model: what its queue receives, the serving loop's measured arrivals of the
+  model (``StageStatus.overload.arrival_sps``, samples/s, admitted and refused, over the state's
+  window) over the samples of a query its Q_v counts (the profile's smallest batch); where
+  nothing measures it (no stage status, or no instance serves the model), the app's recent
+  arrivals (an injected :data:`ArrivalSource`, ``ServingLoop.observed_arrivals``) of the last
+  ``window_s`` (INFaaS's monitoring daemon reports every 2 s) over ``window_s``, times the share
+  of queries reaching the model (the applied plan's ``scale_factor`` of its stage, 1 when
+  absent): model-less queries go where the variant choice sends them, not by the plan's shares;
 - what the reconciler's last pass held back of the fleet's drains (an injected
   :data:`HeldBackSource`, ``Reconciler.held_back``: the instances its guards kept past the fleet
   the policy wants), which the drain waits for (one drain at a time); a rollout's, a spot move's
@@ -92,6 +96,7 @@ from controlplane.policies.infaas_scaling import (
     initial_state,
 )
 from controlplane.policies.lifecycle import KEPT_STATES, InstanceState, is_profile_worker
+from controlplane.policies.plan import StagePlan
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.policies.tuner import default_boot_s
 from controlplane.serving.dispatcher import AppStatus
@@ -275,12 +280,15 @@ class InfaasScaler:
         # A variant meets the SLO the planner holds a stage to: less the service's own time.
         slo_ms = limits.stage_slo_ms
         variants = []
+        # Per model, the samples of a query its Q_v counts (the profile's smallest batch).
+        query_samples: dict[str, int] = {}
         for model in models:
             entry = stages.get(model)
             batch = entry.batch_size if entry is not None else 1
             for t in types:
                 profile = resolved.profile(model, t)
                 smallest = profile.min_batch_size
+                query_samples[model] = min(query_samples.get(model, smallest), smallest)
                 meets = profile.mean_latency_ms(smallest) <= slo_ms
                 rate = (
                     rate_per_instance_qps(profile, np.array([smallest], dtype=np.int64), batch)
@@ -291,10 +299,7 @@ class InfaasScaler:
         arrivals = np.asarray(observed, dtype=np.float64)
         recent = int(np.count_nonzero(arrivals > now_s - self._window_s))
         rate_qps = recent / self._window_s
-        load = {
-            model: rate_qps * (stages[model].scale_factor if model in stages else 1.0)
-            for model in models
-        }
+        load = _model_loads(status, models, query_samples, rate_qps, stages)
         instances = []
         for worker in status.workers:
             if not worker.healthy:
@@ -361,6 +366,36 @@ class InfaasScaler:
 
 # The numbers key of a decision that holds the policy's fleet after its tick.
 FLEET_AFTER = "fleet_after"
+
+
+def _model_loads(
+    status: AppStatus,
+    models: Sequence[str],
+    query_samples: Mapping[str, int],
+    rate_qps: float,
+    stages: Mapping[str, StagePlan],
+) -> dict[str, float]:
+    """The load of each model (qps, in queries of the samples its Q_v counts: ``query_samples``):
+    what its queue received, the serving loop's measured arrivals of the model (samples/s,
+    admitted and refused, over the state's window: ``StageStatus.overload.arrival_sps``) over
+    those samples; where nothing measures it (no stage status, or no instance serves the model),
+    the app's rate ``rate_qps`` times the plan's share of queries reaching the model (its stage's
+    ``scale_factor``). The share alone read 0.19 qps for a variant model-less queries sent 11.4
+    to (the plan's share is the cascade's, not where the variant choice sends them): the drain's
+    capacity rule found the load gone while the overload state said it could not keep up."""
+    measured = {
+        stage.model: stage.overload.arrival_sps
+        for stage in status.stages
+        if stage.overload is not None and stage.states
+    }
+    loads: dict[str, float] = {}
+    for model in models:
+        sps = measured.get(model)
+        if sps is not None:
+            loads[model] = sps / max(query_samples.get(model, 1), 1)
+        else:
+            loads[model] = rate_qps * (stages[model].scale_factor if model in stages else 1.0)
+    return loads
 
 
 def _start_fleet(

@@ -656,3 +656,76 @@ def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_t
     reconciler's word it drains to three, one drain at a time: the second waits for the
     reconciler's deferral, as before."""
     drains_to_three(tmp_path, beside=True)
+
+
+def test_a_model_skewed_load_is_read_where_it_arrives_and_replicated_once(
+    tmp_path: Path,
+) -> None:
+    """Model-less queries send the app's 90 qps to tiny, which the plan says a share of 0.02
+    reaches (the cascade's share, not where the variant choice sends them). One instance (Q 100)
+    reads overloaded, two carry the load. Read as the app's rate times the plan's share (1.8
+    qps), the load looked gone to the drain's rule once the replica served, and the overload
+    bought it back: replicate and drain took turns, every hold (seen live on the demo's `large`,
+    0.19 qps read where 11.4 arrived). The scaler reads the 90 samples/s that tiny's queue
+    receives (the serving loop's measured arrivals): one replicate, then two instances."""
+    from controlplane.loops.infaas_scaler import _AppScaler
+    from controlplane.policies.infaas_scaling import initial_state
+    from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
+    from controlplane.serving.states import Overload
+
+    skewed = json.loads(json.dumps(PLAN))
+    skewed["stages"][0]["scale_factor"] = 0.02
+    with planned_app(tmp_path, budget_usd_per_hr=0.25) as (clock, store, resolver, _plan):
+        plan = store.create_plan(APP, skewed)
+        store.apply_plan(APP, plan.id)
+
+        def statuses() -> list[AppStatus]:
+            rows = store.list_instances(APP, states=["running"])
+            workers = tuple(
+                WorkerStatus(r.id, r.instance_type, "", True, True, "", 0.5) for r in rows
+            )
+            # One instance cannot keep up (admission refuses); two can.
+            refused = 3 if len(rows) == 1 else 0
+            overload = Overload(0.0, 100.0, refused, 90.0, 100.0 * len(rows), 10.0)
+            state = "overloaded" if overload.overloaded else "active"
+            states = {w.instance_id: state for w in workers}
+            stage = StageStatus(
+                "tiny",
+                0,
+                0,
+                0,
+                100.0 * len(rows),
+                "fcfs",
+                1,
+                states,  # type: ignore[arg-type]
+                overload=overload,
+            )
+            return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
+
+        def arrivals(_app: str) -> np.ndarray:
+            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 180)  # 90 qps
+
+        scaler = InfaasScaler(
+            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
+        )
+        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
+        provisioner = FakeProvisioner(running_on_launch=True)
+        reconciler = build_reconciler(
+            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
+        )
+        scaler.held_back = reconciler.held_back
+        scaler._apps[APP] = _AppScaler(plan.id, 0.25, initial_state({LARGE: 1}, clock.now_s()))
+        for _ in range(3):
+            reconciler.run_once()
+            provisioner.step()
+        assert len(store.list_instances(APP, states=["running"])) == 1
+        for _ in range(60):
+            clock.advance(2.0)
+            scaler.tick()
+            reconciler.run_once()
+            provisioner.step()
+        scaled = [k for k in kinds(store) if k.startswith("infaas_")]
+        assert scaled == ["infaas_replicate"], scaled
+        (replicate,) = store.list_decisions(APP, kinds=["infaas_replicate"])
+        assert replicate.numbers["load_qps"] == pytest.approx(90.0)
+        assert len(store.list_instances(APP, states=["running"])) == 2

@@ -18,13 +18,13 @@ worker cannot keep up: the serving loop's admission control refuses what would m
 arrivals, admitted and refused, reach its capacity, and admission refused queries of it:
 :mod:`controlplane.serving.states`; the backlog alone never says so under admission, which
 keeps a one-sample backlog drainable within the SLO). The scaler, each tuner tick, finds the
-variant overloaded or the model's measured load (the arrivals of its last 2 s, refused ones
+variant overloaded or the model's measured load (the arrivals its queue received, refused ones
 included) over U times its capacity (INFaaS's Constraint 1), whichever it sees first (both
 within about 2 s of the load's start), records ``infaas_replicate`` with its reason (naming the
 overload and what it was judged on when the state was in the status it read), and the
 reconciler launches a second worker process. Both workers serve (each has a busy share in the
 serving loop's status), and the state is *active* again: 2 Q_v carry the load. The load then
-stops: once the arrivals have aged out of the scaler's window and an instance has stayed
+stops: once the arrivals have aged out of the serving loop's window and an instance has stayed
 underused for the hold (``tuner_scale_down_delay_s``), the scaler records ``infaas_drain`` and
 the reconciler terminates one worker, whose process exits.
 
