@@ -57,29 +57,29 @@ tick:
    instance still ran, and the next tick asked again).
 3. **Drain** (section 4.2.2, "Scaling down algorithm", and VM-Autoscaler). An instance is
    *underused* when no model it serves is overloaded, its busy share (when known) is at most U, and
-   without it every model it serves still carries its load at U_drain < U (Q_m - Q_{m,t}) U_drain
-   >= lambda_m (``drain_utilisation``, 0.7: the band between the two thresholds is the policy's
-   hysteresis; a drain judged at U itself left a load just under U times the rest's capacity at U,
-   and a load a little over it, 4 s later, bought the instance back, every hold while the load sat
-   there), and no model it serves would be left at most a capacity it was found short at
-   (``short_at`` in the state: overloaded at load L on the capacity that served, or its load over U
-   times its capacity) unless its load is now at most U_drain / U of L (the same band, where the
-   profiles' capacity was not what served: one cpu of Q 10 overloaded at 6.5 qps, two were drained
-   to one by the profiles at 0.7 x 10, and the overload bought it back, every hold). A capacity
-   short at L is short at L on less; a pair the model has since carried (not overloaded nor short
-   at as much load on no more capacity) is forgotten. A type that has had an underused instance for
-   the hold (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no
-   scaling action within the hold, nothing of it still loading and no drain still to be carried out
-   (the test counts every instance that serves: judged on them, a second drain the reconciler had
-   not caught up with took the fleet below the load; which drains are still to be carried out is
-   the reconciler's word, the context's ``held_back``: the instances it keeps past the fleet's
-   count, or a fleet its last pass has not read yet, not a spot move's or an interruption's
-   replacements or a stand-in serving beside the fleet), is drained: ``infaas_drain``, its count
-   down by one, the most expensive type first (so a cheaper variant that carries the load alone is
-   kept: a downgrade). The hold is the type's, not the instance's: the reconciler picks which
-   instance of the type ends, and an instance's own clock, restarted for the one the decision
-   named, let a cheaper type's older clock win the next drain (an idle app ended on its dearest
-   type). The app keeps at least one instance.
+   without it every model it serves still carries its load at U_drain < U, (Q_m -
+   Q_{m,t}) U_drain >= lambda_m (``drain_utilisation``, 0.7: the band between the two thresholds is
+   the policy's hysteresis; a drain judged at U itself left a load just under U times the rest's
+   capacity at U, and a load a little over it, 4 s later, bought the instance back, every hold
+   while the load sat there), and no model it serves would be left at most a capacity it was found
+   short at (``short_at`` in the state: overloaded at load L on the capacity that served, or its
+   load over U times its capacity) unless its load is now at most U_drain / U of L (the same band,
+   where the profiles' capacity was not what served: one cpu of Q 10 overloaded at 6.5 qps, two
+   were drained to one by the profiles at 0.7 x 10, and the overload bought it back, every hold). A
+   capacity short at L is short at L on less; a pair the model has since carried (neither
+   overloaded nor short at U_drain / U of L or more, on no more capacity) is forgotten. A type that
+   has had an underused instance for the hold (``hold_s``; INFaaS's T_v, the variant's loading
+   latency, when ``None``), with no scaling action within the hold, nothing of it still loading and
+   no drain still to be carried out (the test counts every instance that serves: judged on them, a
+   second drain the reconciler had not caught up with took the fleet below the load; which drains
+   are still to be carried out is the reconciler's word, the context's ``held_back``: the instances
+   it keeps past the fleet's count, or a fleet its last pass has not read yet, not a spot move's or
+   an interruption's replacements or a stand-in serving beside the fleet), is drained:
+   ``infaas_drain``, its count down by one, the most expensive type first (so a cheaper variant
+   that carries the load alone is kept: a downgrade). The hold is the type's, not the instance's:
+   the reconciler picks which instance of the type ends, and an instance's own clock, restarted for
+   the one the decision named, let a cheaper type's older clock win the next drain (an idle app
+   ended on its dearest type). The app keeps at least one instance.
 
 A *stand-in* (an instance of type C the reconciler runs in place of one of type G of the fleet,
 the context's ``held_back.stand_ins``) counts as present for G, by its share (k smaller ones
@@ -644,9 +644,11 @@ def _found_short(
     overloaded (a verdict not judged partly before the last drain) at load L on the capacity
     that serves, or its load over U times its capacity, what is loading included. A capacity
     short at L is short at L on less capacity too, so a pair another makes redundant (as much
-    capacity or more, short at no more load) is dropped; one that the model has since carried
-    (not overloaded, nor short of capacity, at as much load on no more capacity) is forgotten."""
+    capacity or more, short at no more load) is dropped; one the model has since carried on no
+    more capacity (not overloaded, nor short of capacity) at a load the guard would not drain it
+    to (:func:`_short_after_drain`) is forgotten."""
     u = tick.config.utilisation
+    ratio = tick.config.drain_utilisation / u
     out: dict[str, tuple[tuple[float, float], ...]] = {}
     for m in tick.models:
         load = float(tick.ctx.load_qps.get(m, 0.0))
@@ -661,7 +663,10 @@ def _found_short(
         if short:
             pairs.append((now + loading, load))
         if not (overloaded_any or short):
-            pairs = [(c, w) for c, w in pairs if not (now <= c + _TOL and load >= w - _TOL)]
+            # Carried on no more capacity at a load the guard would not drain it to: a burst's
+            # verdict, or a capacity that serves more now (it held drains back for good where
+            # the load stayed a little under the one it was found short at).
+            pairs = [(c, w) for c, w in pairs if not (now <= c + _TOL and load >= ratio * w - _TOL)]
         kept = {
             (c, w)
             for c, w in pairs

@@ -261,11 +261,11 @@ def test_a_steady_load_one_instance_cannot_carry_is_replicated_once_and_not_drai
     state = initial_state({"cpu": 1}, 0.0)
     actions = []
 
-    def tick(now: float, load: float, serves: float = 6.0) -> list[str]:
+    def tick(now: float, load: float) -> list[str]:
         nonlocal state
         n = state.fleet["cpu"]
-        short = n == 1 and load > serves
-        busy = load / serves / n
+        short = n == 1 and load > 6.0
+        busy = load / 6.0 / n
         fleet = [cpu(f"i-{k}", "overloaded" if short else "active", busy) for k in range(n)]
         ctx = replace(context(now, load, fleet), overload={"m": note} if short else {})
         decisions, state = decide(ctx, state, config)
@@ -282,9 +282,13 @@ def test_a_steady_load_one_instance_cannot_carry_is_replicated_once_and_not_drai
     for now in range(141, 201):
         actions += tick(float(now), 5.0)
     assert actions == ["infaas_replicate", "infaas_drain"] and dict(state.fleet) == {"cpu": 1}
-    # Once one cpu carries 6.5 qps (it serves 7 now), what it was found short at is forgotten.
+    # One cpu left: once it carries a load the guard would not have drained it at (5.8 qps,
+    # over 0.875 x 6.5), what it was found short at is forgotten; until then it is kept.
     for now in range(201, 211):
-        actions += tick(float(now), 6.5, serves=7.0)
+        actions += tick(float(now), 5.6)
+    assert dict(state.short_at) == {"m": ((10.0, 6.5),)}
+    for now in range(211, 221):
+        actions += tick(float(now), 5.8)
     assert actions[2:] == [] and dict(state.short_at) == {}, actions
 
 
