@@ -57,29 +57,32 @@ tick:
    instance still ran, and the next tick asked again).
 3. **Drain** (section 4.2.2, "Scaling down algorithm", and VM-Autoscaler). An instance is
    *underused* when no model it serves is overloaded, its busy share (when known) is at most U, and
-   without it every model it serves still carries its load at U_drain < U, (Q_m -
-   Q_{m,t}) U_drain >= lambda_m (``drain_utilisation``, 0.7: the band between the two thresholds is
-   the policy's hysteresis; a drain judged at U itself left a load just under U times the rest's
-   capacity at U, and a load a little over it, 4 s later, bought the instance back, every hold
-   while the load sat there), and no model it serves would be left at most a capacity it was found
-   short at (``short_at`` in the state: overloaded at load L on the capacity that served, or its
-   load over U times its capacity) unless its load is now at most U_drain / U of L (the same band,
-   where the profiles' capacity was not what served: one cpu of Q 10 overloaded at 6.5 qps, two
-   were drained to one by the profiles at 0.7 x 10, and the overload bought it back, every hold). A
-   capacity short at L is short at L on less; a pair the model has since carried (neither
-   overloaded nor short at U_drain / U of L or more, on no more capacity) is forgotten. A type that
-   has had an underused instance for the hold (``hold_s``; INFaaS's T_v, the variant's loading
-   latency, when ``None``), with no scaling action within the hold, nothing of it still loading and
-   no drain still to be carried out (the test counts every instance that serves: judged on them, a
-   second drain the reconciler had not caught up with took the fleet below the load; which drains
-   are still to be carried out is the reconciler's word, the context's ``held_back``: the instances
-   it keeps past the fleet's count, or a fleet its last pass has not read yet, not a spot move's or
-   an interruption's replacements or a stand-in serving beside the fleet), is drained:
-   ``infaas_drain``, its count down by one, the most expensive type first (so a cheaper variant
-   that carries the load alone is kept: a downgrade). The hold is the type's, not the instance's:
-   the reconciler picks which instance of the type ends, and an instance's own clock, restarted for
-   the one the decision named, let a cheaper type's older clock win the next drain (an idle app
-   ended on its dearest type). The app keeps at least one instance.
+   without it every model it serves still carries its load at U_drain < U,
+   (Q_m - Q_{m,t}) U_drain >= lambda_m (``drain_utilisation``, 0.7: the band between the two
+   thresholds is the policy's hysteresis; a drain judged at U itself left a load just under U times
+   the rest's capacity at U, and a load a little over it, 4 s later, bought the instance back,
+   every hold while the load sat there), and no model it serves would be left at most a capacity it
+   was found short at (``short_at`` in the state: overloaded at load L on the capacity that served,
+   or its load over U times its capacity) unless its load is now at most U_drain / U of L (the same
+   band, where the profiles' capacity was not what served: one cpu of Q 10 overloaded at 6.5 qps,
+   two were drained to one by the profiles at 0.7 x 10, and the overload bought it back, every
+   hold). A capacity short at L is short at L on less (each capacity is kept apart, with its least
+   load); one the model has since carried (neither overloaded nor short at U_drain / U of L or
+   more, on no more capacity, what is loading included), or not found short again for
+   ``short_memory_s`` (300 s: a burst's backlog verdict also makes one, and kept for good each
+   bought an instance that stayed), is forgotten. A type that has had an underused instance for the
+   hold (``hold_s``; INFaaS's T_v, the variant's loading latency, when ``None``), with no scaling
+   action within the hold, nothing of it still loading and no drain still to be carried out (the
+   test counts every instance that serves: judged on them, a second drain the reconciler had not
+   caught up with took the fleet below the load; which drains are still to be carried out is the
+   reconciler's word, the context's ``held_back``: the instances it keeps past the fleet's count,
+   or a fleet its last pass has not read yet, not a spot move's or an interruption's replacements
+   or a stand-in serving beside the fleet), is drained: ``infaas_drain``, its count down by one,
+   the most expensive type first (so a cheaper variant that carries the load alone is kept: a
+   downgrade). The hold is the type's, not the instance's: the reconciler picks which instance of
+   the type ends, and an instance's own clock, restarted for the one the decision named, let a
+   cheaper type's older clock win the next drain (an idle app ended on its dearest type). The app
+   keeps at least one instance.
 
 A *stand-in* (an instance of type C the reconciler runs in place of one of type G of the fleet,
 the context's ``held_back.stand_ins``) counts as present for G, by its share (k smaller ones
@@ -107,6 +110,7 @@ from estimator.numbers import money, plain
 __all__ = [
     "DEFAULT_DRAIN_UTILISATION",
     "DEFAULT_LOAD_WEIGHT_PER_S",
+    "DEFAULT_SHORT_MEMORY_S",
     "DEFAULT_UTILISATION",
     "HeldBack",
     "InstanceState",
@@ -140,6 +144,12 @@ DEFAULT_DRAIN_UTILISATION = 0.7
 # An instance interfered everywhere serves at most 1 / (1 + margin) of its profile (the state's
 # margin, 0.5: controlplane.serving.states.DEFAULT_MARGIN).
 DEFAULT_INTERFERED_SHARE = 1.0 / 1.5
+
+# How long a capacity a model was found short at holds drains to it back, unless found short
+# again (s): the overload's backlog verdict also fires on a burst, and kept for good, each one
+# bought an instance that stayed; forgotten at once, the drain and the overload took turns
+# every hold. At a steady load one capacity can never carry, one drain and replicate a memory.
+DEFAULT_SHORT_MEMORY_S = 300.0
 
 _EPS = 1e-9
 # Capacities and loads compared in the drain's guard (qps: sums of profiles' rates).
@@ -177,14 +187,16 @@ class ServedInstance:
 @dataclass(frozen=True, slots=True)
 class ScalingConfig:
     """The policy's knobs: U, the drain's U_drain (at most U), lambda (per s), the capacity
-    share of an instance interfered everywhere, and the hold before a drain (None: the
-    variant's loading latency, INFaaS's T_v)."""
+    share of an instance interfered everywhere, the hold before a drain (None: the variant's
+    loading latency, INFaaS's T_v), and how long a capacity a model was found short at holds
+    drains to it back (s)."""
 
     utilisation: float = DEFAULT_UTILISATION
     drain_utilisation: float = DEFAULT_DRAIN_UTILISATION
     load_weight_per_s: float = DEFAULT_LOAD_WEIGHT_PER_S
     interfered_share: float = DEFAULT_INTERFERED_SHARE
     hold_s: float | None = None
+    short_memory_s: float = DEFAULT_SHORT_MEMORY_S
 
     def __post_init__(self) -> None:
         if not 0 < self.utilisation <= 1:
@@ -200,6 +212,8 @@ class ScalingConfig:
             raise ValueError(f"interfered_share must be in [0, 1], got {self.interfered_share!r}")
         if self.hold_s is not None and not (math.isfinite(self.hold_s) and self.hold_s >= 0):
             raise ValueError(f"hold_s must be >= 0, got {self.hold_s!r}")
+        if not (math.isfinite(self.short_memory_s) and self.short_memory_s >= 0):
+            raise ValueError(f"short_memory_s must be >= 0, got {self.short_memory_s!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,9 +301,10 @@ class ScalerState:
     # None: no drain yet. An overload verdict whose window reaches back before it was judged on
     # the fleet before the drain (rule 2).
     drained_s: float | None = None
-    # Per model, the (capacity, load) pairs (qps) it was found short at (rule 3's guard): a
-    # drain that leaves it at most such a capacity waits for the load to fall well below.
-    short_at: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # Per model, the capacities (qps) it was found short at, with the least load (qps) and the
+    # last time (s) it was (rule 3's guard): a drain that leaves it at most such a capacity
+    # waits for the load to fall well below.
+    short_at: Mapping[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,8 +455,8 @@ class _Tick:
     capacity_now: dict[str, float] = field(default_factory=dict)
     counted: dict[tuple[str, str], float] = field(default_factory=dict)
     decisions: list[ScalingDecision] = field(default_factory=list)
-    # Per model, the (capacity, load) pairs it was found short at (rule 3's guard).
-    short_at: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # Per model, the capacities it was found short at, the least load and when (rule 3's guard).
+    short_at: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, ctx: ScalingContext, state: ScalerState, config: ScalingConfig) -> _Tick:
@@ -638,18 +653,22 @@ def _judged_before_the_drain(tick: _Tick, note: OverloadNote | None) -> bool:
 
 
 def _found_short(
-    tick: _Tick, before: Mapping[str, tuple[tuple[float, float], ...]]
-) -> dict[str, tuple[tuple[float, float], ...]]:
-    """Per model, the (capacity, load) pairs (qps) it has been found short at, with this tick's:
-    overloaded (a verdict not judged partly before the last drain) at load L on the capacity
-    that serves, or its load over U times its capacity, what is loading included. A capacity
-    short at L is short at L on less capacity too, so a pair another makes redundant (as much
-    capacity or more, short at no more load) is dropped; one the model has since carried on no
-    more capacity (not overloaded, nor short of capacity) at a load the guard would not drain it
-    to (:func:`_short_after_drain`) is forgotten."""
+    tick: _Tick, before: Mapping[str, tuple[tuple[float, float, float], ...]]
+) -> dict[str, tuple[tuple[float, float, float], ...]]:
+    """Per model, the capacities (qps) it has been found short at, each with the least load
+    (qps) and the last time (s) it was, with this tick's: overloaded (a verdict not judged
+    partly before the last drain) at load L on the capacity that serves, or its load over U
+    times its capacity, what is loading included. One the model has since carried on no more
+    capacity, what is loading included (not overloaded, nor short of capacity), at a load the
+    guard would not drain it to (:func:`_short_after_drain`) is forgotten, and so is one not
+    found again for ``short_memory_s``. Each capacity is kept apart: one short at L is short at
+    L on less too (the guard reads the least load of those at least as large), but a larger one
+    forgotten says nothing of a smaller one (pruned as redundant, the smaller one went with it,
+    and the drain to it came back)."""
     u = tick.config.utilisation
     ratio = tick.config.drain_utilisation / u
-    out: dict[str, tuple[tuple[float, float], ...]] = {}
+    now_s = tick.ctx.now_s
+    out: dict[str, tuple[tuple[float, float, float], ...]] = {}
     for m in tick.models:
         load = float(tick.ctx.load_qps.get(m, 0.0))
         now = tick.capacity_now[m]
@@ -657,23 +676,35 @@ def _found_short(
         overloaded_any = any(i.states[m] == "overloaded" for i in tick.serving(m))
         overloaded = overloaded_any and not _judged_before_the_drain(tick, tick.ctx.overload.get(m))
         short = load > u * (now + loading) + _EPS
-        pairs = list(before.get(m, ()))
-        if overloaded:
-            pairs.append((now, load))
-        if short:
-            pairs.append((now + loading, load))
+        kept = [
+            (c, w, at)
+            for c, w, at in before.get(m, ())
+            if now_s - at <= tick.config.short_memory_s + _EPS
+        ]
         if not (overloaded_any or short):
             # Carried on no more capacity at a load the guard would not drain it to: a burst's
             # verdict, or a capacity that serves more now (it held drains back for good where
-            # the load stayed a little under the one it was found short at).
-            pairs = [(c, w) for c, w in pairs if not (now <= c + _TOL and load >= ratio * w - _TOL)]
-        kept = {
-            (c, w)
-            for c, w in pairs
-            if not any((c2, w2) != (c, w) and c2 >= c and w2 <= w for c2, w2 in pairs)
-        }
-        if kept:
-            out[m] = tuple(sorted(kept))
+            # the load stayed a little under the one it was found short at). What is still
+            # loading counts: a tick between two overloaded ones, while the replica loaded, read
+            # as carried, and the drain came back once the replica served.
+            kept = [
+                (c, w, at)
+                for c, w, at in kept
+                if not (now + loading <= c + _TOL and load >= ratio * w - _TOL)
+            ]
+        if overloaded:
+            kept.append((now, load, now_s))
+        if short:
+            kept.append((now + loading, load, now_s))
+        by_capacity: dict[float, tuple[float, float, float]] = {}
+        for c, w, at in kept:
+            key = round(c, 6)
+            seen = by_capacity.get(key)
+            if seen is not None:
+                w, at = min(w, seen[1]), max(at, seen[2])
+            by_capacity[key] = (c, w, at)
+        if by_capacity:
+            out[m] = tuple(sorted(by_capacity.values()))
     return out
 
 
@@ -685,7 +716,7 @@ def _short_after_drain(tick: _Tick, m: str, remaining_qps: float, load_qps: floa
     ratio = tick.config.drain_utilisation / tick.config.utilisation
     return any(
         c >= remaining_qps - _TOL and load_qps > ratio * w + _TOL
-        for c, w in tick.short_at.get(m, ())
+        for c, w, _ in tick.short_at.get(m, ())
     )
 
 
