@@ -100,6 +100,7 @@ from controlplane.policies.plan import StagePlan
 from controlplane.policies.replay import rate_per_instance_qps
 from controlplane.policies.tuner import default_boot_s
 from controlplane.serving.dispatcher import AppStatus
+from controlplane.serving.states import MONITORING_PERIOD_S
 from controlplane.spec import ResolvedApp
 from estimator.errors import EstimatorError
 
@@ -129,7 +130,7 @@ HeldBackSource = Callable[[str], HeldBack]
 ResolveFn = Callable[[AppRecord], ResolvedApp]
 
 # INFaaS's monitoring daemons report every 2 s (section 5): the load is measured over as long.
-DEFAULT_LOAD_WINDOW_S = 2.0
+DEFAULT_LOAD_WINDOW_S = MONITORING_PERIOD_S
 
 
 def scales_with_infaas(app: AppRecord) -> bool:

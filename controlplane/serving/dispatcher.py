@@ -756,7 +756,14 @@ class AppDispatcher:
         stage.drain.queued(now)
         request.queued[query.query_id] = stage
         self.tracker.arrived((self.app, model), now, len(samples))
+        self._backlog_moved(stage, now)
         self._mark(stage)
+
+    def _backlog_moved(self, stage: _Stage, now: float) -> None:
+        """A reading of ``stage``'s backlog for the tracker, as it changed (the overload verdict
+        holds it over the SLO for a monitoring period: :mod:`controlplane.serving.states`)."""
+        backlog = stage.queued_samples + stage.in_service_samples
+        self.tracker.backlog((self.app, stage.model), now, backlog)
 
     def _requeue(self, stage: _Stage, parts: Sequence[_Part]) -> None:
         """Back to the front of the queue (they are the oldest there), keeping their ids."""
@@ -766,6 +773,7 @@ class AppDispatcher:
             stage.queued_samples += len(part.samples)
             stage.backlog.add(len(part.samples))
             part.request.queued[part.query.query_id] = stage
+        self._backlog_moved(stage, self.clock_s())
         self._mark(stage)
 
     # --- rounds ---------------------------------------------------------------------------------
@@ -862,6 +870,7 @@ class AppDispatcher:
                             now, min(part.query.enqueued_s for part in parts), idle_since_s
                         )
                 self._start(stage, slot, parts, now, turnaround_ms)
+        self._backlog_moved(stage, now)
         if not queue:
             stage.drain.emptied()
 
@@ -985,7 +994,9 @@ class AppDispatcher:
     def _cancelled(self, stage: _Stage, worker: Worker, parts: list[_Part], batch: int) -> None:
         """A call cancelled (the dispatcher is closing): its queries are answered 503."""
         stage.in_service_samples -= batch
-        worker.finish(self.clock_s())
+        now = self.clock_s()
+        worker.finish(now)
+        self._backlog_moved(stage, now)
         for part in parts:
             self._fail(part.request, NoServingInstanceError(self.app, stage.model, "stopping"))
 
@@ -1014,6 +1025,7 @@ class AppDispatcher:
         batch = len(rows)
         stage.in_service_samples -= batch
         stage.drain.served(now, batch)
+        self._backlog_moved(stage, now)
         worker.finish(now)
         worker.succeeded()
         worker.answered += 1
@@ -1121,6 +1133,7 @@ class AppDispatcher:
         now = self.clock_s()
         stage.in_service_samples -= batch
         worker.finish(now)
+        self._backlog_moved(stage, now)
         if not error.worker_fault:
             self._rejected(stage, worker, parts, error, now)
             return
@@ -1361,6 +1374,7 @@ class AppDispatcher:
                 part = stage.parts.pop(query_id)
                 stage.queued_samples -= len(part.samples)
                 stage.backlog.remove(len(part.samples))
+                self._backlog_moved(stage, self.clock_s())
                 if not stage.queue:
                     stage.drain.emptied()
         request.queued.clear()

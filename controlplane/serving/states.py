@@ -16,7 +16,11 @@ tracker of what they are judged on (measured latencies, arrivals, refusals):
   seconds, the model is overloaded when any of
 
   1. *backlog*: draining its backlog B (queued plus in-service samples) takes longer than the
-     SLO, ``1000 B / C > slo_ms`` (no capacity: as soon as anything waits);
+     SLO, ``1000 B / C > slo_ms`` (no capacity: as soon as anything waits), at every reading
+     over the last ``hold_s`` (2 s, INFaaS's monitoring period: the least B over it, at the
+     current C, :meth:`StateTracker.held_backlog`). The dispatcher gives the tracker a reading
+     each time B changes. Read at one moment, a Poisson queue's burst drained in more than the
+     SLO now and then at 37-55% busy, and the INFaaS scaler replicated a model that kept up;
   2. *refused*: admission control (:mod:`controlplane.serving.admission`) refused (429) a query
      on it (a stage admission judged the query on, one every sample reaches:
      :func:`~controlplane.serving.admission.judged_positions`), judged at a capacity at least
@@ -27,10 +31,11 @@ tracker of what they are judged on (measured latencies, arrivals, refusals):
      2 s: INFaaS's monitoring period), reach C: it serves at its peak throughput (INFaaS's
      wording), and its queue grows.
 
-  The first alone never fires under admission control with one-sample queries: admission keeps
-  the backlog drainable within the SLO less the query's own service, so the backlog drains in
-  at most the SLO. The other two say what the backlog cannot: the queue is held at the SLO only
-  by turning load away, or the load is at least what the instances serve.
+  The first seldom fires under admission control with one-sample queries: admission keeps the
+  backlog drainable within the SLO less the query's own service. The other two say what the
+  backlog cannot: the queue is held at the SLO only by turning load away, or the load is at
+  least what the instances serve. Admission and the model-less variant choice judge the
+  backlog of the moment (:func:`is_overloaded`): they place the query at hand, now.
 - **Interfered** (:func:`is_interfered`): over the last ``window_s`` seconds, the median of
   measured service time / profiled mean service time (same batch size, same instance type)
   of the model on the instance exceeds ``1 + margin``, given at least ``min_samples``
@@ -55,11 +60,11 @@ tracker of what they are judged on (measured latencies, arrivals, refusals):
 An instance is interfered before it is overloaded (:func:`model_state`): the remedy for
 interference is elsewhere (another instance), for overload more capacity or a faster variant.
 The dispatcher leaves interfered instances out of matching while the model has an active one and
-feeds the tracker its arrivals (each sample a stage queues) and admission's refusals; the
-model-less variant choice (:mod:`controlplane.serving.variants`) judges the backlog criterion
-for the query at hand. The INFaaS autoscaler
-(``scaling: infaas`` in the app spec, :mod:`controlplane.loops.infaas_scaler`) reads all four
-from the loop's status every tick; the dashboard reads them through
+feeds the tracker its arrivals (each sample a stage queues), its backlog as it changes and
+admission's refusals; the model-less variant choice (:mod:`controlplane.serving.variants`)
+judges the backlog criterion for the query at hand, on the backlog of the moment. The INFaaS
+autoscaler (``scaling: infaas`` in the app spec, :mod:`controlplane.loops.infaas_scaler`) reads
+all four from the loop's status every tick; the dashboard reads them through
 ``GET /v1/apps/{app}/serving`` and ``/metrics``.
 
 >>> is_overloaded(queued_samples=300, capacity_sps=1000.0, slo_ms=200.0)
@@ -89,10 +94,12 @@ from typing import Literal
 
 __all__ = [
     "DEFAULT_FLOOR_MS",
+    "DEFAULT_HOLD_S",
     "DEFAULT_MARGIN",
     "DEFAULT_MIN_SAMPLES",
     "DEFAULT_RATE_MIN_S",
     "DEFAULT_WINDOW_S",
+    "MONITORING_PERIOD_S",
     "ModelState",
     "Overload",
     "StateTracker",
@@ -112,9 +119,14 @@ DEFAULT_MARGIN = 0.5
 DEFAULT_WINDOW_S = 10.0
 DEFAULT_MIN_SAMPLES = 5
 DEFAULT_FLOOR_MS = 1.0
-# The shortest time an arrival rate is measured over (INFaaS's monitoring daemons report every
-# 2 s, section 5): a load that began less than a window ago is judged over its own span.
-DEFAULT_RATE_MIN_S = 2.0
+# INFaaS's monitoring daemons report every 2 s (section 5): its monitoring period.
+MONITORING_PERIOD_S = 2.0
+# The shortest time an arrival rate is measured over: a load that began less than a window ago
+# is judged over its own span, a monitoring period at least.
+DEFAULT_RATE_MIN_S = MONITORING_PERIOD_S
+# How long the backlog must stay over the SLO for the verdict: a monitoring period. Read at one
+# moment, a Poisson queue's bursts drain in more than the SLO now and then at 40-55% busy.
+DEFAULT_HOLD_S = MONITORING_PERIOD_S
 # Measurements kept per (model, instance), whatever the window: a bound on memory.
 _MAX_KEPT = 256
 # Arrivals and refusals are counted in buckets of a window's 1/_BUCKETS: memory bounded by the
@@ -154,9 +166,10 @@ def is_overloaded(
 @dataclass(frozen=True, slots=True)
 class Overload:
     """What the overload verdict of a model was judged on (:meth:`StateTracker.overload`): the
-    backlog's drain time (ms) against the SLO, the queries refused within the window at a
-    capacity at least the current one, and the arrival rate (samples/s, admitted and refused, over
-    the window) against the capacity (samples/s)."""
+    backlog's drain time (ms) now and the least it was over the last ``hold_s`` (the one judged)
+    against the SLO, the queries refused within the window at a capacity at least the current
+    one, and the arrival rate (samples/s, admitted and refused, over the window) against the
+    capacity (samples/s)."""
 
     backlog_ms: float
     slo_ms: float
@@ -164,11 +177,13 @@ class Overload:
     arrival_sps: float
     capacity_sps: float
     window_s: float
+    held_backlog_ms: float = 0.0
+    hold_s: float = DEFAULT_HOLD_S
 
     @property
     def overloaded(self) -> bool:
         return (
-            self.backlog_ms > self.slo_ms
+            self.held_backlog_ms > self.slo_ms
             or self.refused > 0
             or (self.arrival_sps > 0 and self.arrival_sps >= self.capacity_sps)
         )
@@ -176,8 +191,11 @@ class Overload:
     def reasons(self) -> list[str]:
         """One phrase, with its numbers, per criterion that holds (empty: not overloaded)."""
         out = []
-        if self.backlog_ms > self.slo_ms:
-            out.append(f"backlog drains in {self.backlog_ms:.4g} ms > SLO {self.slo_ms:g} ms")
+        if self.held_backlog_ms > self.slo_ms:
+            out.append(
+                f"backlog drains in {self.held_backlog_ms:.4g} ms or more > SLO"
+                f" {self.slo_ms:g} ms for the last {self.hold_s:g} s"
+            )
         if self.refused > 0:
             out.append(f"{self.refused} queries refused (429) in the last {self.window_s:g} s")
         if self.arrival_sps > 0 and self.arrival_sps >= self.capacity_sps:
@@ -191,13 +209,19 @@ class Overload:
         """The numbers, as a plain mapping (a decision's, the scaler's; an infinite drain time,
         nothing serving, is None)."""
         return {
-            "backlog_ms": self.backlog_ms if math.isfinite(self.backlog_ms) else None,
+            "backlog_ms": _finite(self.backlog_ms),
+            "held_backlog_ms": _finite(self.held_backlog_ms),
+            "hold_s": self.hold_s,
             "slo_ms": self.slo_ms,
             "refused": float(self.refused),
             "arrival_sps": self.arrival_sps,
             "capacity_sps": self.capacity_sps,
             "window_s": self.window_s,
         }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def is_interfered(ratios: Sequence[float], margin: float, min_samples: int) -> bool:
@@ -257,6 +281,25 @@ class _Sample:
 
 
 @dataclass(slots=True)
+class _Reading:
+    """A backlog reading (samples) from ``at_s`` until the next one (``until_s``)."""
+
+    at_s: float
+    samples: float
+    until_s: float = math.inf
+
+
+@dataclass(slots=True)
+class _Backlog:
+    """A queue's backlog readings that can still be the least over the last ``hold_s``: the
+    later of two readings has the larger backlog (a later, smaller one makes an earlier one
+    irrelevant to every window it is in), so the first is the least."""
+
+    first_s: float
+    kept: deque[_Reading]
+
+
+@dataclass(slots=True)
 class _Count:
     """Arrivals of a model in one bucket (samples), or refusals (queries) at one capacity."""
 
@@ -281,6 +324,7 @@ class StateTracker:
         min_samples: int = DEFAULT_MIN_SAMPLES,
         floor_ms: float = DEFAULT_FLOOR_MS,
         rate_min_s: float = DEFAULT_RATE_MIN_S,
+        hold_s: float = DEFAULT_HOLD_S,
     ) -> None:
         if not (math.isfinite(window_s) and window_s > 0):
             raise ValueError(f"window_s must be > 0, got {window_s!r}")
@@ -291,6 +335,10 @@ class StateTracker:
         self.min_samples = min_samples
         self.floor_ms = floor_ms
         self.rate_min_s = min(rate_min_s, window_s)
+        if not (math.isfinite(hold_s) and hold_s >= 0):
+            raise ValueError(f"hold_s must be >= 0, got {hold_s!r}")
+        self.hold_s = min(hold_s, window_s)
+        self._backlogs: dict[Hashable, _Backlog] = {}
         self._samples: dict[tuple[str, Hashable], deque[_Sample]] = {}
         self._bucket_s = window_s / _BUCKETS
         self._arrivals: dict[Hashable, deque[_Count]] = {}
@@ -397,6 +445,34 @@ class StateTracker:
         limit = capacity_sps * (1.0 - 1e-9)
         return round(sum(c.amount for c in counts if c.capacity_sps >= limit))
 
+    def backlog(self, queue: Hashable, now_s: float, samples: float) -> None:
+        """A reading of ``queue``'s backlog (queued plus in-service samples), taken as it
+        changed: it holds until the next reading."""
+        found = self._backlogs.get(queue)
+        if found is None:
+            found = self._backlogs[queue] = _Backlog(now_s, deque())
+        kept = found.kept
+        if kept:
+            kept[-1].until_s = now_s
+        while kept and kept[-1].samples >= samples:
+            kept.pop()
+        kept.append(_Reading(now_s, float(samples)))
+        self._trim_backlog(kept, now_s)
+
+    def _trim_backlog(self, kept: deque[_Reading], now_s: float) -> None:
+        cutoff = now_s - self.hold_s
+        while len(kept) > 1 and kept[0].until_s <= cutoff:
+            kept.popleft()
+
+    def held_backlog(self, queue: Hashable, now_s: float) -> float:
+        """The least backlog (samples) of ``queue`` over the last ``hold_s``: what stayed queued
+        at every reading. 0 when its first reading is more recent (nothing was queued before)."""
+        found = self._backlogs.get(queue)
+        if found is None or now_s - found.first_s < self.hold_s:
+            return 0.0
+        self._trim_backlog(found.kept, now_s)
+        return found.kept[0].samples
+
     def overload(
         self,
         queue: Hashable,
@@ -406,8 +482,10 @@ class StateTracker:
         slo_ms: float,
     ) -> Overload:
         """The overload verdict of a model's ``queue`` now, with what it was judged on: its backlog
-        (queued plus in-service samples) and capacity (samples/s) as the caller sees them, its
-        arrivals and refusals as observed."""
+        (queued plus in-service samples: a reading, with those :meth:`backlog` was given) and
+        capacity (samples/s) as the caller sees them, the least backlog over the last
+        ``hold_s`` at that capacity, its arrivals and refusals as observed."""
+        self.backlog(queue, now_s, backlog_samples)
         return Overload(
             backlog_ms=backlog_ms(backlog_samples, capacity_sps),
             slo_ms=slo_ms,
@@ -415,6 +493,8 @@ class StateTracker:
             arrival_sps=self.arrival_sps(queue, now_s),
             capacity_sps=capacity_sps,
             window_s=self.window_s,
+            held_backlog_ms=backlog_ms(self.held_backlog(queue, now_s), capacity_sps),
+            hold_s=self.hold_s,
         )
 
     def forget(self, instances: Iterable[Hashable]) -> None:

@@ -729,3 +729,86 @@ def test_a_model_skewed_load_is_read_where_it_arrives_and_replicated_once(
         (replicate,) = store.list_decisions(APP, kinds=["infaas_replicate"])
         assert replicate.numbers["load_qps"] == pytest.approx(90.0)
         assert len(store.list_instances(APP, states=["running"])) == 2
+
+
+def test_a_poisson_queues_momentary_backlog_spikes_buy_no_replica(tmp_path: Path) -> None:
+    """One instance of tiny (100 samples/s) at half its capacity under a Poisson load (50 qps,
+    service 10 ms give or take 30%), SLO 100 ms: now and then a burst queues more than the SLO
+    drains, at one reading (here at every third status the scaler reads). The backlog read at one
+    moment marked the model overloaded and the scaler replicated on it (seen live on the demo's
+    `large`: a drain and replicate every `short_memory_s`); the overload's backlog criterion
+    holds over a monitoring period now, which a burst does not: no replicate, one instance."""
+    from controlplane.loops.infaas_scaler import _AppScaler
+    from controlplane.policies.infaas_scaling import initial_state
+    from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
+    from controlplane.serving.states import StateTracker, model_state
+
+    rng = np.random.default_rng(3)
+    tracker = StateTracker()
+    queue = (APP, "tiny")
+    with planned_app(tmp_path, budget_usd_per_hr=0.25) as (clock, store, resolver, plan):
+        sim = {"t": clock.now_s(), "backlog": 0, "free": clock.now_s(), "reads": 0}
+        ends: list[float] = []
+
+        def serve_until(now_s: float) -> None:
+            """The queue's readings (each arrival and completion) up to ``now_s``."""
+            while True:
+                at = sim["t"] + rng.exponential(1 / 50.0)
+                while ends and ends[0] <= min(at, now_s):
+                    sim["backlog"] -= 1
+                    tracker.backlog(queue, ends.pop(0), sim["backlog"])
+                if at > now_s:
+                    return
+                sim["t"] = at
+                sim["free"] = max(sim["free"], at) + rng.uniform(0.007, 0.013)
+                ends.append(sim["free"])
+                sim["backlog"] += 1
+                tracker.backlog(queue, at, sim["backlog"])
+
+        def statuses() -> list[AppStatus]:
+            now = clock.now_s()
+            serve_until(now)
+            sim["reads"] += 1
+            # Every third read: a burst of 12 queued (120 ms of work > the SLO) at that moment.
+            backlog = 12 if sim["reads"] % 3 == 0 else int(sim["backlog"])
+            rows = store.list_instances(APP, states=["running"])
+            workers = tuple(
+                WorkerStatus(r.id, r.instance_type, "", True, True, "", 0.5) for r in rows
+            )
+            capacity = 100.0 * len(rows)
+            overload = tracker.overload(queue, now, backlog, capacity, 100.0)
+            assert overload.backlog_ms <= 100.0 or sim["reads"] % 3 == 0
+            states = {
+                w.instance_id: model_state(overloaded=overload.overloaded, interfered=False)
+                for w in workers
+            }
+            stage = StageStatus(
+                "tiny", 0, backlog, 0, capacity, "fcfs", 1, states, overload=overload
+            )
+            return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
+
+        def arrivals(_app: str) -> np.ndarray:
+            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 100)  # 50 qps
+
+        scaler = InfaasScaler(
+            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
+        )
+        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
+        provisioner = FakeProvisioner(running_on_launch=True)
+        reconciler = build_reconciler(
+            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
+        )
+        scaler.held_back = reconciler.held_back
+        scaler._apps[APP] = _AppScaler(plan.id, 0.25, initial_state({LARGE: 1}, clock.now_s()))
+        for _ in range(3):
+            reconciler.run_once()
+            provisioner.step()
+        assert len(store.list_instances(APP, states=["running"])) == 1
+        for _ in range(60):
+            clock.advance(2.0)
+            scaler.tick()
+            reconciler.run_once()
+            provisioner.step()
+        assert sim["reads"] >= 60
+        assert [k for k in kinds(store) if k.startswith("infaas_")] == []
+        assert len(store.list_instances(APP, states=["running"])) == 1

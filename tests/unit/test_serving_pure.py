@@ -116,11 +116,71 @@ def test_the_tracker_judges_overload_on_refusals_and_arrivals_over_its_window() 
     tracker.refused("tiny", 300.0, samples=0, capacity_sps=10.0)  # reaches nothing: ignored
     assert tracker.refusals("tiny", 300.0, capacity_sps=10.0) == 0
 
-    # The backlog criterion, with nothing serving: an infinite drain, None in the numbers.
+    # The backlog criterion, with nothing serving: an infinite drain, None in the numbers, once
+    # it has lasted the hold (2 s: INFaaS's monitoring period).
     over = tracker.overload("idle", 0.0, backlog_samples=3, capacity_sps=0.0, slo_ms=100.0)
-    assert over.overloaded and math.isinf(over.backlog_ms)
-    assert over.numbers()["backlog_ms"] is None
-    assert over.reasons() == ["backlog drains in inf ms > SLO 100 ms"]
+    assert not over.overloaded and math.isinf(over.backlog_ms)
+    over = tracker.overload("idle", 2.0, backlog_samples=3, capacity_sps=0.0, slo_ms=100.0)
+    assert over.overloaded and math.isinf(over.held_backlog_ms)
+    assert (over.numbers()["backlog_ms"], over.numbers()["held_backlog_ms"]) == (None, None)
+    assert over.reasons() == ["backlog drains in inf ms or more > SLO 100 ms for the last 2 s"]
+
+
+def test_a_momentary_backlog_spike_is_no_overload_a_backlog_held_over_the_slo_is() -> None:
+    """The backlog criterion holds over a monitoring period (2 s): a Poisson queue's burst
+    drains in more than the SLO at one reading now and then at 40-55% busy, and read at one
+    moment it made the scaler replicate a model that kept up with its load."""
+    tracker = StateTracker(window_s=10.0)
+    queue = ("demo", "large")
+    # 10 samples/s of capacity, SLO 500 ms: over it past 5 samples queued.
+    for t, samples in [(0.0, 1), (0.5, 0), (1.0, 2), (3.0, 0), (4.0, 1)]:
+        tracker.backlog(queue, t, samples)
+    tracker.backlog(queue, 4.2, 9)  # a burst: 900 ms of work at one reading
+    spike = tracker.overload(queue, 4.3, 9, capacity_sps=10.0, slo_ms=500.0)
+    assert spike.backlog_ms == 900.0 and spike.held_backlog_ms == 0.0
+    assert not spike.overloaded and spike.reasons() == []
+    tracker.backlog(queue, 4.6, 2)  # drained under the SLO again
+    assert not tracker.overload(queue, 6.5, 2, 10.0, 500.0).overloaded
+    # Held over the SLO (7 samples and more) at every reading for 2 s: overloaded.
+    for i, samples in enumerate([8, 7, 12, 9, 7, 10]):
+        tracker.backlog(queue, 10.0 + 0.3 * i, samples)
+    assert not tracker.overload(queue, 11.9, 10, 10.0, 500.0).overloaded  # 1.9 s so far
+    held = tracker.overload(queue, 12.0, 10, 10.0, 500.0)
+    assert held.overloaded and held.held_backlog_ms == 700.0
+    assert held.reasons() == ["backlog drains in 700 ms or more > SLO 500 ms for the last 2 s"]
+    # One reading under the SLO within the last 2 s: not held.
+    tracker.backlog(queue, 12.5, 3)
+    tracker.backlog(queue, 12.6, 11)
+    assert not tracker.overload(queue, 14.4, 11, 10.0, 500.0).overloaded
+    assert tracker.overload(queue, 14.6, 11, 10.0, 500.0).overloaded
+    # Instances joined: the same backlog drains within the SLO at three times the capacity.
+    assert not tracker.overload(queue, 14.6, 11, 30.0, 500.0).overloaded
+
+
+def test_a_poisson_queue_at_half_its_capacity_is_not_held_overloaded() -> None:
+    """A single-server queue at 50% busy (Poisson arrivals, one sample a query, a model's
+    service time of 100 ms give or take 30%: 10 samples/s), SLO 500 ms: its backlog goes past
+    the SLO at some readings, never for a monitoring period."""
+    rng = np.random.default_rng(7)
+    tracker = StateTracker(window_s=10.0)
+    queue = ("demo", "large")
+    arrivals = np.cumsum(rng.exponential(1 / 5.0, size=6000))  # 5 qps for 20 min
+    backlog, free_s = 0, 0.0
+    ends: list[float] = []  # the service completions still to come
+    spikes = held = 0
+    for at in arrivals:
+        while ends and ends[0] <= at:
+            backlog -= 1
+            tracker.backlog(queue, ends.pop(0), backlog)
+        free_s = max(free_s, at) + rng.uniform(0.07, 0.13)
+        ends.append(free_s)
+        backlog += 1
+        tracker.backlog(queue, at, backlog)
+        over = tracker.overload(queue, at, backlog, capacity_sps=10.0, slo_ms=500.0)
+        spikes += over.backlog_ms > 500.0
+        held += over.overloaded
+    assert spikes > 10, spikes  # read at one moment, it was overloaded now and then
+    assert held == 0
 
 
 def test_interfered_needs_enough_samples_and_a_median_above_the_margin() -> None:
