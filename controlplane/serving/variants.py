@@ -19,14 +19,17 @@ each of its models alone. :class:`AppVariants` owns what each is worth now:
 
 :meth:`AppVariants.choose` gives a model-less query the cheapest variant that meets its
 requirements (:func:`controlplane.policies.variants.choose`), among those whose every model a
-healthy worker serves first, or a :class:`~controlplane.errors.RequirementsUnmetError` naming the
-closest offer.
+healthy worker serves first; when none that is *active* meets them, the cheapest served one that
+is *overloaded* only and otherwise meets them (admission control then judges the query at its
+queue: a 429 to try again where it cannot serve it in time); else a
+:class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from controlplane.errors import NoServingInstanceError, RequirementsUnmetError
 from controlplane.policies.variants import (
@@ -246,6 +249,33 @@ class AppVariants:
             if choice.met:
                 return next(c for option, c in served if option is choice.option)
         choice = choose(requirements, [option for option, _ in options])
+        if choice.met:
+            return next(c for option, c in options if option is choice.option)
+        queued = self._queued_choice(requirements, served)
+        if queued is not None:
+            return queued
+        raise RequirementsUnmetError(app, choice.message, choice.option.name)
+
+    def _queued_choice(
+        self, requirements: Requirements, served: Sequence[tuple[VariantOption, Cascade]]
+    ) -> Cascade | None:
+        """The cheapest served variant that is *overloaded* only and otherwise meets
+        ``requirements`` (its predicted latency, its wait included, within the bound and
+        finite; its accuracy at least the floor), when no active one does: a backlog is a
+        passing verdict on a queue, not on what the variant can give, so the query goes to
+        that queue, where admission control judges it against the SLO (a 429 with a
+        ``Retry-After`` where the queue cannot serve it in time, which the overload verdict
+        counts) instead of a 422 ``requirements_unmet`` that says not to try again. ``None``:
+        no such variant."""
+        queued = [
+            (option, c)
+            for option, c in served
+            if option.state == "overloaded" and math.isfinite(option.predicted_latency_ms)
+        ]
+        if not queued:
+            return None
+        as_active = [(replace(option, state="active"), c) for option, c in queued]
+        choice = choose(requirements, [option for option, _ in as_active])
         if not choice.met:
-            raise RequirementsUnmetError(app, choice.message, choice.option.name)
-        return next(c for option, c in options if option is choice.option)
+            return None
+        return next(c for option, c in as_active if option is choice.option)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import socket
 import threading
 import time
@@ -28,8 +29,9 @@ import httpx
 import pytest
 
 from controlplane.api.disconnect import CancelOnDisconnect
-from controlplane.errors import OverloadedError, QueryTimeoutError
+from controlplane.errors import OverloadedError, QueryTimeoutError, RequirementsUnmetError
 from controlplane.policies.plan import StagePlan
+from controlplane.policies.variants import Requirements
 from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings, InferResult
 from controlplane.serving.observations import Observations
 from controlplane.serving.stages import DRAIN_WINDOW_S
@@ -508,3 +510,32 @@ def test_past_admission_a_query_is_refused_before_its_body_is_read(
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "overloaded"
     assert worker.received == 1  # the held query only
+
+
+def test_a_model_less_query_whose_variant_is_backlogged_goes_to_its_queue_not_a_422() -> None:
+    """The only variant that meets a model-less query's needs was overloaded at the moment (its
+    backlog drains in more than the SLO): the query was refused 422 ``requirements_unmet``,
+    which says not to try again, for a passing queue (3.3% of a steady model-less load onto
+    one variant, live). It goes to that queue now, where admission control judges it (a 429
+    to try again where the queue cannot serve it in time); a bound the wait itself misses is
+    still unmet."""
+
+    async def scenario() -> None:
+        worker, dispatcher, first = await held_worker(slo_ms=2.0)
+        queued = [dispatcher.submit([row(2, 0.9)]) for _ in range(5)]
+        # tiny at 0.5 ms a batch: six samples in the queue drain in 3 ms, over the 2 ms SLO.
+        ((option, cascade),) = dispatcher.variant_options()
+        assert option.state == "overloaded", option
+        assert math.isfinite(option.predicted_latency_ms) and option.predicted_latency_ms > 2.0
+        patient = Requirements("demo", latency_ms=60_000.0)
+        assert dispatcher.choose_variant(patient, 1) == cascade
+        hurried = Requirements("demo", latency_ms=option.predicted_latency_ms / 2)
+        with pytest.raises(RequirementsUnmetError, match="but it is overloaded"):
+            dispatcher.choose_variant(hurried, 1)
+        answer = dispatcher.infer([row(5, 0.9)], requirements=patient)
+        worker.release()
+        answers = await settle([first, *queued, answer])
+        assert all(isinstance(a, InferResult) for a in answers), answers
+        await dispatcher.close()
+
+    run(scenario())
