@@ -271,6 +271,16 @@ def start_rollout(
     }
     if cascade is not None:
         settings["cascade"] = cascade
+    steps_text = ", ".join(f"{100 * s:g}%" for s in shares)
+    shadow_text = ", shadow first" if request.shadow else ""
+    cascade_text = "" if cascade is None else "; " + _cascade_text(cascade)
+    then = (
+        f"; first the new version is profiled on {', '.join(resolved.instance_types)} and the"
+        " app planned again for it (the rollout loop; heteroplane rollout status)"
+        if profile_run
+        else ""
+    )
+    # Said in the start's transaction (a crash leaves both or neither).
     rollout = store.create_rollout(
         app,
         model=model,
@@ -282,26 +292,18 @@ def start_rollout(
         + ("; profiling the new version first" if profile_run else "; starting its workers"),
         who=who,
         app_spec=record.spec,
+        said=lambda started: [
+            (
+                DECISION_KIND,
+                f"rollout {started.id}: {name}@{current.version} -> {name}@{target.version} of"
+                f" model {model} started by {who} (steps {steps_text}{shadow_text},"
+                f" every {request.interval_s:g} s); extra instances for its first step"
+                f" {fleet_text(fleet)} cost {cost:.4g} USD/hr{cascade_text}{then}",
+                {"rollout_id": started.id, "state": started.state, **settings},
+            )
+        ],
     )
     crash_point("rollout.after_start")
-    steps_text = ", ".join(f"{100 * s:g}%" for s in shares)
-    shadow_text = ", shadow first" if request.shadow else ""
-    cascade_text = "" if cascade is None else "; " + _cascade_text(cascade)
-    then = (
-        f"; first the new version is profiled on {', '.join(resolved.instance_types)} and the"
-        " app planned again for it (the rollout loop; heteroplane rollout status)"
-        if profile_run
-        else ""
-    )
-    store.record_decision(
-        app,
-        DECISION_KIND,
-        f"rollout {rollout.id}: {name}@{current.version} -> {name}@{target.version} of model"
-        f" {model} started by {who} (steps {steps_text}{shadow_text},"
-        f" every {request.interval_s:g} s); extra instances for its first step"
-        f" {fleet_text(fleet)} cost {cost:.4g} USD/hr{cascade_text}{then}",
-        {"rollout_id": rollout.id, "state": rollout.state, **settings},
-    )
     return rollout
 
 

@@ -212,6 +212,39 @@ def test_an_abort_while_pending_says_no_query_had_moved(world: World) -> None:
     assert decision.numbers["step_share"] == 0.0
 
 
+def test_a_start_whose_decision_was_not_written_is_not_recorded_either(world: World) -> None:
+    """The write of the start's decision fails (the process dies there, or its database write
+    does): the rollout is not recorded either, and starting it again starts it and says it
+    once. The decision used to be written after the rollout, in a transaction of its own: the
+    rollout was recorded and never said (``heteroplane events`` showed no start), and starting
+    it again was a 409 naming it."""
+    from sqlalchemy import event
+
+    from controlplane.db import models as m
+
+    register(world, budget=10 * PRICE)
+    failing = ["started by"]
+
+    def killed(_mapper: Any, _connection: Any, row: m.DecisionRow) -> None:
+        if failing and failing[0] in row.reason:
+            failing.pop(0)
+            raise RuntimeError("test: the process died writing the decision")
+
+    event.listen(m.DecisionRow, "before_insert", killed)
+    try:
+        died = post(world, "rollouts", {"model": "wine-model@2"})
+        assert died.status_code == 500 and failing == [], died.text
+        assert world.store.list_rollouts(APP) == []
+        started = post(world, "rollouts", {"model": "wine-model@2"})
+        assert started.status_code == 201, started.text
+    finally:
+        event.remove(m.DecisionRow, "before_insert", killed)
+    (rollout,) = world.store.list_rollouts(APP)
+    decided = world.store.list_decisions(APP, kinds=["rollout"])
+    assert [d.numbers["rollout_id"] for d in decided] == [rollout.id], decided
+    assert decided[0].reason.startswith(f"rollout {rollout.id}: wine-model@1 -> wine-model@2")
+
+
 def test_a_rollout_waits_for_the_last_ones_handover(world: World) -> None:
     """A promoted rollout's handover (its route stands while the old version's instances are
     replaced) is one in progress: a start meanwhile is a 409 naming it; once its route went

@@ -93,12 +93,15 @@ class RolloutStore(StoreBase):
         reason: str,
         who: str,
         app_spec: Mapping[str, Any] | None = None,
+        said: Said | None = None,
         at: datetime | None = None,
     ) -> RolloutRecord:
         """Record a rollout in ``pending``. :class:`ConflictError` while another of the app's
         is active, or, with ``app_spec`` (the spec its start checked), when the app's spec is
         another now (a replace committed between the start's checks and this; a plan applied
-        meanwhile, which moves the app's version, is no conflict)."""
+        meanwhile, which moves the app's version, is no conflict). ``said``: the decisions that
+        say the start (of the rollout as recorded), written in the same transaction, as
+        :meth:`move_rollout`'s."""
         now = self._now(at)
         body = _json_document(settings, "settings")
         with transaction(self._sessions) as session:
@@ -137,7 +140,10 @@ class RolloutStore(StoreBase):
             )
             session.add(row)
             session.flush()
-            return _record(row, app)
+            started = _record(row, app)
+            for kind, text, numbers in said(started) if said is not None else ():
+                add_decision(session, app_row.id, kind, text, numbers, now)
+            return started
 
     @_translated
     def get_rollout(self, app: str, rollout_id: int) -> RolloutRecord:
