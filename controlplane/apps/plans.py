@@ -34,6 +34,7 @@ from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.apps.teardown import teardown_requested
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import PlanRecord, Store
+from controlplane.db.store.decisions import Words
 from controlplane.errors import ConflictError, InvalidValueError, ProfilesNotMeasuredError
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app
@@ -316,8 +317,11 @@ def apply_plan(
     plan_id: int,
     who: str,
     launch_refusal: LaunchRefusalFn | None = None,
+    said: Callable[[PlanRecord], Words] | None = None,
 ) -> PlanRecord:
-    """Apply a previewed plan and record a ``plan_applied`` decision with its fleet and cost.
+    """Apply a previewed plan and record a ``plan_applied`` decision with its fleet and cost
+    (and the decisions ``said`` of the plan applied: a re-planning loop's why), in the apply's
+    transaction: a crash leaves the plan applied and said, or neither.
     ``launch_refusal``: why the service's provider cannot launch a type (None: it can; the
     provisioner's :meth:`~provisioners.base.Provisioner.launch_refusal`), for a plan applied by
     hand: one naming a type it cannot launch is refused (its workers would never start, and
@@ -351,19 +355,24 @@ def apply_plan(
             " applied to it; set its budget again (heteroplane budget set) to call the teardown"
             " off, then apply"
         )
-    record = store.apply_plan(app, plan_id)
+
+    def words(applied: PlanRecord) -> Words:
+        plan = applied.plan
+        return [
+            (
+                "plan_applied",
+                f"plan {applied.id} applied by {who}",
+                {
+                    "plan_id": applied.id,
+                    "cost_usd_per_hr": plan.cost_usd_per_hr,
+                    "fleet": plan.fleet,
+                },
+            ),
+            *(said(applied) if said is not None else ()),
+        ]
+
+    record = store.apply_plan(app, plan_id, said=words)
     crash_point("plan_apply.after_apply")
-    plan = record.plan
-    store.record_decision(
-        app,
-        "plan_applied",
-        f"plan {record.id} applied by {who}",
-        {
-            "plan_id": record.id,
-            "cost_usd_per_hr": plan.cost_usd_per_hr,
-            "fleet": plan.fleet,
-        },
-    )
     return record
 
 

@@ -197,19 +197,25 @@ class CapacityReplanner:
             new, seed=seed, trace=stats, steps=(because, *new.steps)
         ).to_document()
         record = self._store.create_plan(app.name, document)
-        applied = self._store.apply_plan(app.name, record.id, expected_version=app.version)
-        self._store.record_decision(
+        # Said in the apply's transaction (a crash leaves both or neither).
+        self._store.apply_plan(
             app.name,
-            "capacity_replan",
-            f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.id}"
-            f" ({fleet_text(fleet)}, {new.cost_usd_per_hr:.4g} USD/hr) replaces plan"
-            f" {plan.id} ({fleet_text(planned)}), with {caps_text}",
-            {
-                **numbers,
-                "plan_id": applied.id,
-                "fleet": fleet,
-                "cost_usd_per_hr": new.cost_usd_per_hr,
-            },
+            record.id,
+            expected_version=app.version,
+            said=lambda applied: [
+                (
+                    "capacity_replan",
+                    f"no capacity of {names} for {self._after_s:g} s or more: plan {applied.id}"
+                    f" ({fleet_text(fleet)}, {new.cost_usd_per_hr:.4g} USD/hr) replaces plan"
+                    f" {plan.id} ({fleet_text(planned)}), with {caps_text}",
+                    {
+                        **numbers,
+                        "plan_id": applied.id,
+                        "fleet": fleet,
+                        "cost_usd_per_hr": new.cost_usd_per_hr,
+                    },
+                )
+            ],
         )
         logger.warning("capacity: %s re-planned around %s", app.name, names)
         return True

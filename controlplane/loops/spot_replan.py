@@ -222,24 +222,31 @@ class SpotReplanner:
             steps=(f"re-planned at the spot prices now: {why}", *new.steps),
         ).to_document()
         record = self._store.create_plan(app.name, document)
-        applied = self._store.apply_plan(app.name, record.id, expected_version=app.version)
+        # Said in the apply's transaction (a crash leaves both or neither).
+        applied = self._store.apply_plan(
+            app.name,
+            record.id,
+            expected_version=app.version,
+            said=lambda done: [
+                (
+                    "spot_replan",
+                    f"{why}: plan {done.id} ({fleet_text(new.fleet)},"
+                    f" {new.cost_usd_per_hr:.4g} USD/hr at the prices now) replaces plan"
+                    f" {plan.id} ({fleet_text(old.fleet)}, {old_now:.4g} USD/hr at the prices"
+                    " now)",
+                    {
+                        **numbers,
+                        "applied": True,
+                        "plan_id": done.id,
+                        "fleet": dict(new.fleet),
+                        "spot_fleet": _spot_fleets(new),
+                        "cost_usd_per_hr": new.cost_usd_per_hr,
+                    },
+                )
+            ],
+        )
         # The plan is at the prices now: the next re-plan is measured from them.
         current = self._store.get_app(app.name)
         self._reference[app.name] = (applied.id, current.version, dict(spot_now))
-        self._store.record_decision(
-            app.name,
-            "spot_replan",
-            f"{why}: plan {applied.id} ({fleet_text(new.fleet)}, {new.cost_usd_per_hr:.4g}"
-            f" USD/hr at the prices now) replaces plan {plan.id} ({fleet_text(old.fleet)},"
-            f" {old_now:.4g} USD/hr at the prices now)",
-            {
-                **numbers,
-                "applied": True,
-                "plan_id": applied.id,
-                "fleet": dict(new.fleet),
-                "spot_fleet": _spot_fleets(new),
-                "cost_usd_per_hr": new.cost_usd_per_hr,
-            },
-        )
         logger.warning("spot: %s re-planned at the spot prices now (%s)", app.name, moves)
         return True

@@ -552,26 +552,33 @@ class TrafficReplanner:
             new, seed=seed, trace=trace_document, steps=(because, *new.steps)
         ).to_document()
         record = self._store.create_plan(app.name, document)
-        applied = apply_plan(self._store, app.name, record.id, WHO)
         same = (
             "; the same fleet, for the planned rate and envelope to follow the traffic"
             if same_fleet
             else ""
         )
-        self._store.record_decision(
+        # Said in the apply's transaction (a crash leaves both or neither).
+        apply_plan(
+            self._store,
             app.name,
-            "replan",
-            f"{moved}: plan {applied.id} ({fleet_text(new.fleet)},"
-            f" {new.cost_usd_per_hr:.4g} USD/hr, {new.planned_rate_qps:.4g} qps) replaces plan"
-            f" {plan.id} ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
-            f" {old.planned_rate_qps:.4g} qps){same}",
-            {
-                **numbers,
-                "new_rate_qps": new.planned_rate_qps,
-                "plan_id": applied.id,
-                "fleet": new.fleet,
-                "cost_usd_per_hr": new.cost_usd_per_hr,
-            },
+            record.id,
+            WHO,
+            said=lambda applied: [
+                (
+                    "replan",
+                    f"{moved}: plan {applied.id} ({fleet_text(new.fleet)},"
+                    f" {new.cost_usd_per_hr:.4g} USD/hr, {new.planned_rate_qps:.4g} qps) replaces"
+                    f" plan {plan.id} ({fleet_text(old.fleet)}, {old.cost_usd_per_hr:.4g} USD/hr,"
+                    f" {old.planned_rate_qps:.4g} qps){same}",
+                    {
+                        **numbers,
+                        "new_rate_qps": new.planned_rate_qps,
+                        "plan_id": applied.id,
+                        "fleet": new.fleet,
+                        "cost_usd_per_hr": new.cost_usd_per_hr,
+                    },
+                )
+            ],
         )
         with self._lock:
             self._episodes.pop(app.name, None)

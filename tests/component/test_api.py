@@ -31,6 +31,7 @@ from controlplane.errors import InvalidValueError
 from controlplane.loops.scheduler import GuardedJob, JobBodies, JobSchedule, Scheduler
 from controlplane.service.app import create_app
 from controlplane.settings import Settings
+from tests.dying_writes import decision_write_fails
 
 # Sub-linear in the batch size, as in tests/unit/test_planner.py: planning takes milliseconds.
 SHAPES = {"g4dn.xlarge": (3.0, 1.0), "r5n.large": (8.0, 4.0), "t3.xlarge": (12.0, 6.0)}
@@ -840,6 +841,25 @@ def test_preview_list_read_and_apply_a_plan(api: Api) -> None:
     assert api.call("POST", f"/v1/apps/toy/plans/{second['id']}/apply").status_code == 200
     statuses = [p["status"] for p in api.call("GET", "/v1/apps/toy/plans").json()]
     assert statuses == ["superseded", "applied"]
+
+
+def test_an_apply_whose_decision_was_not_written_is_not_applied_either(api: Api) -> None:
+    """The write of the apply's decision fails (the process dies there, or its database write
+    does): the plan is not applied either, and applying it again applies it and says it once.
+    The decision used to be written after the apply, in a transaction of its own: the plan was
+    applied and never said, and applying it again was a 409 (applied already)."""
+    api.register()
+    plan = api.preview(rate_qps=200.0)
+    with decision_write_fails(f"plan {plan['id']} applied by") as failing:
+        died = api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply", "operator")
+        assert died.status_code == 500 and failing == [], died.text
+    assert api.call("GET", "/v1/apps/toy").json()["applied_plan_id"] is None
+    applied = api.call("POST", f"/v1/apps/toy/plans/{plan['id']}/apply", "operator")
+    assert applied.status_code == 200, applied.text
+    decisions = api.call("GET", "/v1/apps/toy/decisions", "viewer").json()
+    assert [(d["kind"], d["numbers"]["plan_id"]) for d in decisions] == [
+        ("plan_applied", plan["id"])
+    ]
 
 
 def test_a_plan_is_named_by_its_id_everywhere(api: Api) -> None:

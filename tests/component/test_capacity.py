@@ -38,6 +38,7 @@ from controlplane.service.build import Service, build_service
 from controlplane.settings import Settings
 from provisioners.fake import FakeProvisioner
 from tests.component.test_api import spec, write_profiles
+from tests.dying_writes import decision_write_fails
 
 AFTER_S = 60.0
 LIVE = ("requested", "pending", "running")
@@ -153,6 +154,34 @@ def test_a_type_without_capacity_is_planned_around_within_the_budget(
     assert kept == Counter(fleet)
     assert service.reconciler.capacity_misses("toy") == {}
     assert replanner.tick() == []  # handled: nothing more to do
+
+
+def test_a_re_plan_whose_decision_was_not_written_is_not_applied_either(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    """The write of the re-plan's decision fails (the loops process dies there): the plan is
+    not applied either, and the next attempt re-plans and says it once. The decision used to be
+    written after the apply, in a transaction of its own: the plan was applied and nothing ever
+    said why (``heteroplane events`` showed the fleet change with no decision)."""
+    service, clock, resolver = world
+    planned = _apply(service, resolver, spec(budget=4.0, latency_ms=40.0))
+    first = service.store.get_app("toy").applied_plan_id
+    missing, _provisioner = _fail_busiest(service, planned)
+    replanner = _replanner(service, resolver)
+    reconciler = service.reconciler
+    assert reconciler is not None
+    reconciler.run_once()
+    clock.advance(AFTER_S)
+    reconciler.run_once()
+    with decision_write_fails(f"no capacity of {missing}") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            replanner.tick()
+        assert failing == []
+    assert service.store.get_app("toy").applied_plan_id == first
+    assert service.store.list_decisions("toy", kinds=["capacity_replan"]) == []
+    applied = _replanned_around(service, clock, _replanner(service, resolver), missing)
+    (decision,) = service.store.list_decisions("toy", kinds=["capacity_replan"])
+    assert decision.numbers["plan_id"] == applied.id != first
 
 
 def test_without_a_feasible_plan_around_it_the_plan_stays_and_the_operator_is_told(

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
+
 from controlplane.apps.plans import PlanRequest, planning_trace, preview_plan
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
@@ -25,6 +27,7 @@ from controlplane.spec import ResolvedApp
 from provisioners.fake import FakeProvisioner
 from tests.component.test_api import spec
 from tests.component.test_capacity import world
+from tests.dying_writes import decision_write_fails
 
 __all__ = ["world"]  # the fixture, imported for pytest
 
@@ -52,12 +55,7 @@ def planned(service: Service, resolver: AppResolver) -> Planned:
     store.apply_plan(APP, first.id)
     fake = service.provisioner
     assert isinstance(fake, FakeProvisioner)
-    replanner = SpotReplanner(
-        store,
-        lambda app: resolver.resolve(app.spec, check_budget=False),
-        service.reconciler.spot_prices_now,
-        move_share=0.25,
-    )
+    replanner = a_replanner(service, resolver)
     resolved = resolver.resolve(store.get_app(APP).spec, check_budget=False)
     return Planned(first, fake, resolved, replanner)
 
@@ -141,3 +139,44 @@ def test_a_move_after_which_the_applied_plan_is_still_the_cheapest_leaves_it_app
     assert f"plan {first.id} stays" in decision.reason
     assert replanner.tick() == []  # measured from the prices attempted now: no second attempt
     assert len(store.list_decisions(APP, kinds=["spot_replan"])) == 1
+
+
+def test_a_re_plan_whose_decision_was_not_written_is_not_applied_either(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    """The write of the re-plan's decision fails (the loops process dies there): the plan is
+    not applied either, and the loop started again re-plans at the prices now and says it once.
+    The decision used to be written after the apply, in a transaction of its own: the plan was
+    applied and never said, and the loop started again, which reads the prices a plan was made
+    at from its decision, measured it from the catalog's prices and re-planned it again."""
+    service, _clock, resolver = world
+    store = service.store
+    setup = planned(service, resolver)
+    first, fake, resolved = setup.first, setup.fake, setup.resolved
+    fake.set_spot_price(R5N, resolved.prices_usd_per_hr[R5N])  # +150 %
+    with decision_write_fails("spot prices moved") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            setup.replanner.tick()
+        assert failing == []
+    assert store.get_app(APP).applied_plan_id == first.id
+    assert store.list_decisions(APP, kinds=["spot_replan"]) == []
+    again = a_replanner(service, resolver)
+    assert again.tick() == [APP]
+    assert again.tick() == [] and a_replanner(service, resolver).tick() == []
+    applied = store.get_applied_plan(APP)
+    assert applied is not None and applied.id != first.id
+    (decision,) = store.list_decisions(APP, kinds=["spot_replan"])
+    assert decision.numbers["applied"] is True and decision.numbers["plan_id"] == applied.id
+
+
+def a_replanner(service: Service, resolver: AppResolver) -> SpotReplanner:
+    """A loops process's re-planner (a new one: that of a process started again, what the
+    last one kept in memory gone)."""
+    reconciler = service.reconciler
+    assert reconciler is not None
+    return SpotReplanner(
+        service.store,
+        lambda app: resolver.resolve(app.spec, check_budget=False),
+        reconciler.spot_prices_now,
+        move_share=0.25,
+    )

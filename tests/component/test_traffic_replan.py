@@ -29,6 +29,7 @@ from controlplane.service.build import Service, build_service, stored_apps
 from controlplane.settings import Settings
 from provisioners.fake import FakeProvisioner
 from tests.component.test_api import spec, write_profiles
+from tests.dying_writes import decision_write_fails
 
 APP = "toy"
 CHECK_S = 60.0
@@ -177,6 +178,33 @@ def test_twice_the_planned_traffic_for_longer_than_the_hold_is_re_planned_within
     # The traffic now matches the new plan: nothing more.
     assert _run(replanner, clock, 2400.0) == []
     assert _kinds(service).count("replan") == 1
+
+
+def test_a_re_plan_whose_decision_was_not_written_is_not_applied_either(
+    world: tuple[Service, FakeClock, AppResolver],
+) -> None:
+    """The write of the re-plan's decision fails (the loops process dies there): the plan is
+    not applied either, and the loop started again re-plans once the traffic held again, and
+    says it once. The decision used to be written after the apply, in a transaction of its
+    own: the plan was applied and the re-plan never said (its ``plan_applied`` decision alone,
+    no why), the loop started again finding the traffic inside the new plan's band."""
+    service, clock, resolver = world
+    old = _apply(service, resolver, budget=4.0, rate_qps=50.0)
+    traffic = Traffic(clock, (0.0, 600.0, 50.0), (600.0, 2400.0, 100.0))
+    replanner = _replanner(service, clock, resolver, traffic)
+    assert _run(replanner, clock, 600.0 + HOLD_S) == []
+    clock.advance(CHECK_S)
+    with decision_write_fails(f"replaces plan {old.id}") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            replanner.tick()
+        assert failing == []
+    assert service.store.get_app(APP).applied_plan_id == old.id
+    assert _kinds(service) == []
+    again = _replanner(service, clock, resolver, traffic)
+    assert len(_run(again, clock, 2400.0)) == 1
+    applied = service.store.get_applied_plan(APP)
+    assert applied is not None and applied.id != old.id
+    assert sorted(_kinds(service)) == ["plan_applied", "replan"]
 
 
 def test_a_re_plan_names_only_the_types_the_provisioner_launches(

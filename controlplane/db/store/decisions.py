@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -25,9 +25,13 @@ from controlplane.db.store.records import (
 )
 from controlplane.errors import InvalidValueError
 
-__all__ = ["DecisionStore", "add_decision"]
+__all__ = ["DecisionStore", "Words", "add_decision"]
 
 _DECISION_KEY_MAX = 200
+
+# Decisions (unkeyed) written in the transaction of the write they say, each
+# ``(kind, reason, numbers)``: a plan applied (:meth:`PlanStore.apply_plan`'s ``said``).
+Words = Sequence[tuple[str, str, Mapping[str, Any]]]
 
 
 def add_decision(

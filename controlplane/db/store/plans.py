@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -24,6 +24,7 @@ from controlplane.db.store.base import (
     _still_racing,
     _translated,
 )
+from controlplane.db.store.decisions import Words, add_decision
 from controlplane.db.store.records import (
     PlanRecord,
     _plan_record,
@@ -97,9 +98,14 @@ class PlanStore(StoreBase):
         plan_id: int,
         *,
         expected_version: int | None = None,
+        said: Callable[[PlanRecord], Words] | None = None,
         at: datetime | None = None,
     ) -> PlanRecord:
         """Make the previewed plan the app's applied plan (the one it had becomes superseded).
+        ``said``: the decisions that say the apply (of the plan as applied), written in the same
+        transaction: a crash between the two would leave the plan applied and never said (an
+        apply again is refused, the plan applied already; a re-planning loop started again reads
+        it done).
 
         :class:`ConflictError` when the plan is not previewed any more, or the app changed since
         the plan was made (its spec, budget or applied plan; then the plan is stale: preview
@@ -139,4 +145,7 @@ class PlanStore(StoreBase):
                 .execution_options(synchronize_session=False)
             )
             session.refresh(plan)
-            return _plan_record(plan, app)
+            applied = _plan_record(plan, app)
+            for kind, text, numbers in said(applied) if said is not None else ():
+                add_decision(session, row.id, kind, text, numbers, now)
+            return applied
