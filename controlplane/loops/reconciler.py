@@ -2833,6 +2833,9 @@ class Reconciler:
         self._spot_returning: dict[str, set[str]] = {}
         self._spot_replacements: dict[str, set[str]] = {}
         self._spot_read: set[str] = set()
+        # By app, the rows launched again whose ``launch`` decision this process found written
+        # (:meth:`_unsaid`): those of the app's retries now, each looked up once.
+        self._said_rows: dict[str, set[str]] = {}
         self.store = store
         self.provisioner = provisioner
         self.clock = clock
@@ -3736,7 +3739,8 @@ class Reconciler:
                 self._record_stand_in(app.name, launch, row)
         crash_point("reconcile.after_row")
         rows = self._refused_now(app, rows, set(known), errors, unstopped_usd_per_hr)
-        new = [(launch, row) for launch, row in rows if not launch.retry]
+        unsaid = self._unsaid(app.name, [row for launch, row in rows if launch.retry])
+        new = [(launch, row) for launch, row in rows if not launch.retry or row.id in unsaid]
         if new:
             self.store.record_decision(
                 app.name,
@@ -3761,6 +3765,8 @@ class Reconciler:
                     "budget_usd_per_hr": app.budget_usd_per_hr,
                 },
             )
+            if unsaid:
+                self._said_rows.setdefault(app.name, set()).update(unsaid)
         plan = "none" if app.applied_plan_id is None else str(app.applied_plan_id)
         ran_on_demand: set[str] = set()  # types whose spot launch this tick ran on demand
         # An app with spot on says which of its instances run on spot and which on demand.
@@ -3828,6 +3834,34 @@ class Reconciler:
                     **billed,
                 )
             )
+
+    def _unsaid(self, app: str, retried: Sequence[InstanceRecord]) -> set[str]:
+        """The ids of the ``retried`` rows (launched again) that no ``launch`` decision names: a
+        process died after their rows and before their decision (``reconcile.after_row``). A
+        retry says nothing, so that they would never be said; they are said with this tick's
+        launches (:meth:`_launch` notes them said once written). Each row is looked up once per
+        process."""
+        said = self._said_rows.get(app, set())
+        kept = {row.id for row in retried if row.id in said}
+        unsaid = set()
+        looked = [row for row in retried if row.id not in said]
+        if looked:
+            # A second before the oldest: the decision is written after its rows, at the same
+            # time where the clock's resolution (or a fake clock) says so.
+            since = min(row.created_at for row in looked) - timedelta(seconds=1)
+            named = {
+                str(launch.get("instance_id"))
+                for decision in self.store.list_decisions(app, kinds=["launch"], since=since)
+                for launch in decision.numbers.get("launches") or ()
+                if isinstance(launch, Mapping)
+            }
+            unsaid = {row.id for row in looked if row.id not in named}
+            kept |= {row.id for row in looked if row.id in named}
+        if kept:
+            self._said_rows[app] = kept
+        else:
+            self._said_rows.pop(app, None)
+        return unsaid
 
     def _refused_now(
         self,

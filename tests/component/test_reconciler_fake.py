@@ -38,6 +38,7 @@ from provisioners.base import (
     ProvisionerEvent,
 )
 from provisioners.fake import FakeProvisioner
+from tests.dying_writes import decision_write_fails
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 PRICES = {SMALL: 0.05, LARGE: 0.1}
@@ -241,6 +242,33 @@ def test_a_restart_launches_nothing_twice(world: World) -> None:
     assert world.fake.launched_total == 4
     assert by_state(world.store) == {"running": 4}
     assert len(decisions(world.store, "launch")) == 1
+
+
+def test_launches_recorded_and_never_said_are_said_once_by_the_restarted_reconciler(
+    world: World,
+) -> None:
+    """The process dies after the launches' rows and before their decision (the crash point
+    ``reconcile.after_row``; here the decision's write fails): the restarted reconciler launches
+    the rows again under their request ids and says so, once. It used to launch them as retries,
+    which say nothing: instances ran that no ``launch`` decision named."""
+    apply_fleet(world.store, {SMALL: 2, LARGE: 1})
+    with decision_write_fails("launch 1 x emu.cpu.large") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            world.tick()
+        assert failing == []
+    assert by_state(world.store) == {"requested": 3} and world.fake.launched_total == 0
+    assert decisions(world.store, "launch") == []
+    world.restart()
+    world.tick()
+    world.tick()
+    world.restart()
+    world.tick()
+    assert world.fake.launched_total == 3 and by_state(world.store) == {"pending": 3}
+    (said,) = decisions(world.store, "launch")
+    rows = {r.request_id: r.id for r in world.store.list_instances(APP)}
+    assert {(x["request_id"], x["instance_id"]) for x in said.numbers["launches"]} == set(
+        rows.items()
+    )
 
 
 def test_a_crash_between_launch_and_record_is_adopted_not_launched_again(world: World) -> None:
