@@ -57,6 +57,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from controlplane.db.store import AppRecord, Store
+from controlplane.db.store.decisions import Keyed
 from controlplane.errors import ControlPlaneError, app_gone
 from controlplane.policies.calibration import (
     OVERHEAD_QUANTILES,
@@ -239,39 +240,43 @@ class ProfileCalibrator:
         else:
             return False
         overhead_ms, samples, quantiles_ms = figures
-        self._store.set_serving_overhead(
-            app, overhead_ms, samples, quantiles_ms=quantiles_ms, cpu_ms=cpu_ms
-        )
+        said: Keyed
         if not overhead_moved:
             before_cpu = "none measured" if stored_cpu is None else f"{stored_cpu:.3f} ms before"
-            self._store.record_decision(
-                app,
+            said = (
                 OVERHEAD_KIND,
                 f"the serving process spends {cpu_ms:.3f} ms of CPU per answered query"
                 f" ({before_cpu}): plans serve each query that long at the serving process, a"
                 " queue of its own in front of the workers",
                 {"cpu_ms": cpu_ms, "previous_cpu_ms": stored_cpu},
-                key="overhead",
+                "overhead",
             )
-            return True
-        before = "none measured" if stored is None else f"{stored.overhead_ms:.2f} ms before"
-        p99_ms = quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
-        self._store.record_decision(
-            app,
-            OVERHEAD_KIND,
-            f"the control plane's own time per query (the API's part and the dispatch lag) is"
-            f" {overhead_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
-            f" {samples} answered queries ({before}); plans add a draw from its"
-            " distribution to every query"
-            + ("" if cpu_ms is None else f"; the serving process's CPU per query {cpu_ms:.3f} ms"),
-            {
-                "overhead_ms": overhead_ms,
-                "overhead_p99_ms": p99_ms,
-                "previous_ms": None if stored is None else stored.overhead_ms,
-                "queries": samples,
-                "cpu_ms": cpu_ms,
-            },
-            key="overhead",
+        else:
+            before = "none measured" if stored is None else f"{stored.overhead_ms:.2f} ms before"
+            p99_ms = quantiles_ms[OVERHEAD_QUANTILES.index(99.0)]
+            said = (
+                OVERHEAD_KIND,
+                f"the control plane's own time per query (the API's part and the dispatch lag)"
+                f" is {overhead_ms:.2f} ms at the median and {p99_ms:.2f} ms at p99 over"
+                f" {samples} answered queries ({before}); plans add a draw from its"
+                " distribution to every query"
+                + (
+                    ""
+                    if cpu_ms is None
+                    else f"; the serving process's CPU per query {cpu_ms:.3f} ms"
+                ),
+                {
+                    "overhead_ms": overhead_ms,
+                    "overhead_p99_ms": p99_ms,
+                    "previous_ms": None if stored is None else stored.overhead_ms,
+                    "queries": samples,
+                    "cpu_ms": cpu_ms,
+                },
+                "overhead",
+            )
+        # Said in the write's transaction (a crash leaves both or neither).
+        self._store.set_serving_overhead(
+            app, overhead_ms, samples, quantiles_ms=quantiles_ms, cpu_ms=cpu_ms, said=said
         )
         return True
 
@@ -317,32 +322,37 @@ class ProfileCalibrator:
             resized = verdict.drift or abs(new / base - 1.0) > self._rule.threshold
             if resized:
                 self._base[(app.name, model, instance_type)] = new
-            self._store.set_profile_scale(app.name, model, instance_type, new)
             what = (
                 "profile scaled by"
                 if verdict.drift
                 else f"held over {readings} readings, a fine correction by their mean:"
                 " profile scaled by"
             )
-            self._store.record_decision(
+            # Said in the write's transaction (a crash leaves both or neither).
+            self._store.set_profile_scale(
                 app.name,
-                DRIFT_KIND if resized else CALIBRATED_KIND,
-                f"{model} on {instance_type}: {verdict.observed_mean_ms:.1f} ms per batch observed"
-                f" over {verdict.batches} batches, the profile says"
-                f" {verdict.profile_mean_ms:.1f} ms; {what} {new:.3g}",
-                {
-                    "model": model,
-                    "instance_type": instance_type,
-                    "profile_mean_ms": verdict.profile_mean_ms,
-                    "observed_mean_ms": verdict.observed_mean_ms,
-                    "batches": verdict.batches,
-                    "ratio": verdict.factor,
-                    "ratio_se": verdict.factor_se,
-                    "readings": readings,
-                    "old_factor": old,
-                    "factor": new,
-                },
-                key=f"{model}:{instance_type}",
+                model,
+                instance_type,
+                new,
+                said=(
+                    DRIFT_KIND if resized else CALIBRATED_KIND,
+                    f"{model} on {instance_type}: {verdict.observed_mean_ms:.1f} ms per batch"
+                    f" observed over {verdict.batches} batches, the profile says"
+                    f" {verdict.profile_mean_ms:.1f} ms; {what} {new:.3g}",
+                    {
+                        "model": model,
+                        "instance_type": instance_type,
+                        "profile_mean_ms": verdict.profile_mean_ms,
+                        "observed_mean_ms": verdict.observed_mean_ms,
+                        "batches": verdict.batches,
+                        "ratio": verdict.factor,
+                        "ratio_se": verdict.factor_se,
+                        "readings": readings,
+                        "old_factor": old,
+                        "factor": new,
+                    },
+                    f"{model}:{instance_type}",
+                ),
             )
             self._forget(app.name, model, instance_type)
             made.append(Drift(app.name, verdict, old, new, resized))
@@ -383,20 +393,25 @@ class ProfileCalibrator:
         if not verdict.drift:
             return False
         model, instance_type = profile.model, profile.instance_type
-        self._store.set_profile_spread(app, model, instance_type, verdict.quantiles)
-        self._store.record_decision(
+        # Said in the write's transaction (a crash leaves both or neither).
+        self._store.set_profile_spread(
             app,
-            SPREAD_KIND,
-            f"{model} on {instance_type}: the slowest 5% of the round trips take"
-            f" {verdict.observed_tail:.2f}x their mean over {verdict.batches} batches, the"
-            f" profile's {verdict.profile_tail:.2f}x; plans take the observed spread",
-            {
-                "model": model,
-                "instance_type": instance_type,
-                "observed_tail_over_mean": verdict.observed_tail,
-                "profile_tail_over_mean": verdict.profile_tail,
-                "batches": verdict.batches,
-            },
-            key=f"{model}:{instance_type}",
+            model,
+            instance_type,
+            verdict.quantiles,
+            said=(
+                SPREAD_KIND,
+                f"{model} on {instance_type}: the slowest 5% of the round trips take"
+                f" {verdict.observed_tail:.2f}x their mean over {verdict.batches} batches, the"
+                f" profile's {verdict.profile_tail:.2f}x; plans take the observed spread",
+                {
+                    "model": model,
+                    "instance_type": instance_type,
+                    "observed_tail_over_mean": verdict.observed_tail,
+                    "profile_tail_over_mean": verdict.profile_tail,
+                    "batches": verdict.batches,
+                },
+                f"{model}:{instance_type}",
+            ),
         )
         return True

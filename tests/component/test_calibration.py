@@ -37,6 +37,7 @@ from controlplane.serving.workers import StaticInstances, WorkerEndpoint
 from controlplane.settings import Settings
 from estimator.cascades import Cascade
 from estimator.profiles import LatencyProfile
+from tests.dying_writes import decision_write_fails
 from tests.fake_worker import FakeWorker
 
 SMALL = "emu.cpu.small"
@@ -158,6 +159,30 @@ def test_batches_twice_as_slow_as_the_profile_scale_it_by_two(
         assert mean_ms(restarted, again, 1) == pytest.approx(40.0)
     finally:
         again.close()
+
+
+def test_a_drift_whose_decision_was_not_written_is_not_stored_either(
+    store: Store, tmp_path: Path
+) -> None:
+    """The write of the drift's decision fails (the loops process dies there): the factor is
+    not stored either, and the next tick stores it and says it once. The decision used to be
+    written after the factor, in a transaction of its own: the factor was stored and never
+    said, and the loop went on measuring against it (no drift: nothing more to say)."""
+    observations, _resolver, loop = registered(store, tmp_path)
+    serve(observations, 1, 40.0, 30)
+    serve(observations, 4, 100.0, 30)
+    with decision_write_fails("profile scaled by") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            loop.tick()
+        assert failing == []
+    assert store.list_profile_scales(APP) == []
+    assert store.list_decisions(APP, kinds=["profile_drift"]) == []
+    assert [d.new_factor for d in loop.tick()] == [pytest.approx(2.0)]
+    assert loop.tick() == []
+    [scale] = store.list_profile_scales(APP)
+    assert scale.factor == pytest.approx(2.0)
+    (decision,) = store.list_decisions(APP, kinds=["profile_drift"])
+    assert decision.numbers["factor"] == pytest.approx(2.0)
 
 
 def test_a_further_slowdown_multiplies_the_stored_factor(store: Store, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from controlplane.db import models as m
 from controlplane.db.session import transaction
@@ -20,6 +21,7 @@ from controlplane.db.store.base import (
     _label,
     _translated,
 )
+from controlplane.db.store.decisions import Keyed, add_decision
 from controlplane.db.store.records import (
     ProfileScaleRecord,
     ServingOverheadRecord,
@@ -50,13 +52,16 @@ class CalibrationStore(StoreBase):
         instance_type: str,
         factor: float,
         *,
+        said: Keyed | None = None,
         at: datetime | None = None,
     ) -> ProfileScaleRecord:
         """Set the calibration factor of ``model`` on ``instance_type`` for ``app`` (finite,
-        > 0; it replaces the one before; a stored spread stays)."""
+        > 0; it replaces the one before; a stored spread stays). ``said``: the decision that
+        says it, written in the same transaction: a crash between the two would leave the
+        factor stored and never said (the loop started again measures against it: no drift)."""
         if not (isinstance(factor, int | float) and math.isfinite(factor) and factor > 0):
             raise InvalidValueError("factor", f"must be finite and > 0, got {factor!r}")
-        return self._update_scale(app, model, instance_type, at, factor=float(factor))
+        return self._update_scale(app, model, instance_type, at, said, factor=float(factor))
 
     @_translated
     def set_profile_spread(
@@ -66,11 +71,13 @@ class CalibrationStore(StoreBase):
         instance_type: str,
         spread: Sequence[float],
         *,
+        said: Keyed | None = None,
         at: datetime | None = None,
     ) -> ProfileScaleRecord:
         """Set the live round trips' unit-mean shape of ``model`` on ``instance_type`` for
         ``app``: its quantiles at :data:`~controlplane.policies.calibration.OVERHEAD_QUANTILES`
-        (finite, > 0, non-decreasing); the factor stays (1 when none was stored)."""
+        (finite, > 0, non-decreasing); the factor stays (1 when none was stored). ``said``: as
+        :meth:`set_profile_scale`'s."""
         values = [float(q) for q in spread]
         if (
             len(values) != len(OVERHEAD_QUANTILES)
@@ -81,13 +88,19 @@ class CalibrationStore(StoreBase):
                 "spread",
                 f"must be {len(OVERHEAD_QUANTILES)} quantiles, finite, > 0 and non-decreasing",
             )
-        return self._update_scale(app, model, instance_type, at, spread=values)
+        return self._update_scale(app, model, instance_type, at, said, spread=values)
 
     def _update_scale(
-        self, app: str, model: str, instance_type: str, at: datetime | None, **values: Any
+        self,
+        app: str,
+        model: str,
+        instance_type: str,
+        at: datetime | None,
+        said: Keyed | None,
+        **values: Any,
     ) -> ProfileScaleRecord:
         """Set ``values`` (columns of ``profile_scales``) on the pair's row, made with the
-        factor 1 and no spread when there is none yet."""
+        factor 1 and no spread when there is none yet; ``said`` with it."""
         model = _label(model, "model", max_length=m.PROFILE_SCALE_MODEL_MAX)
         instance_type = _label(instance_type, "instance_type", max_length=m.PROFILE_SCALE_TYPE_MAX)
         now = self._now(at)
@@ -109,7 +122,22 @@ class CalibrationStore(StoreBase):
                 setattr(scale, name, value)
             scale.updated_at = now
             session.flush()
+            self._said(session, row.id, said, now)
             return _scale_record(app, scale)
+
+    def _said(self, session: Session, app_id: int, said: Keyed | None, now: datetime) -> None:
+        if said is not None:
+            kind, reason, numbers, key = said
+            add_decision(
+                session,
+                app_id,
+                kind,
+                reason,
+                numbers,
+                now,
+                key=key,
+                merge_window_s=self.decision_merge_window_s,
+            )
 
     @_translated
     def list_profile_scales(self, app: str) -> list[ProfileScaleRecord]:
@@ -132,12 +160,14 @@ class CalibrationStore(StoreBase):
         *,
         quantiles_ms: Sequence[float] = (),
         cpu_ms: float | None = None,
+        said: Keyed | None = None,
         at: datetime | None = None,
     ) -> ServingOverheadRecord:
         """Set ``app``'s measured control-plane overhead per query (ms, finite, >= 0) over
         ``samples`` (>= 1) answered queries, with its distribution ``quantiles_ms`` (finite,
         >= 0, non-decreasing; may be empty) and the serving process's CPU per query ``cpu_ms``
-        (finite, >= 0; None: not measured); it replaces the one before."""
+        (finite, >= 0; None: not measured); it replaces the one before. ``said``: as
+        :meth:`set_profile_scale`'s."""
         if cpu_ms is not None and not (
             isinstance(cpu_ms, int | float) and math.isfinite(cpu_ms) and cpu_ms >= 0
         ):
@@ -168,6 +198,7 @@ class CalibrationStore(StoreBase):
             found.quantiles_ms = quantiles or None
             found.cpu_ms = None if cpu_ms is None else float(cpu_ms)
             session.flush()
+            self._said(session, row.id, said, now)
             return _overhead_record(app, found)
 
     @_translated

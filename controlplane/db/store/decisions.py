@@ -25,13 +25,16 @@ from controlplane.db.store.records import (
 )
 from controlplane.errors import InvalidValueError
 
-__all__ = ["DecisionStore", "Words", "add_decision"]
+__all__ = ["DecisionStore", "Keyed", "Words", "add_decision"]
 
 _DECISION_KEY_MAX = 200
 
 # Decisions (unkeyed) written in the transaction of the write they say, each
 # ``(kind, reason, numbers)``: a plan applied (:meth:`PlanStore.apply_plan`'s ``said``).
 Words = Sequence[tuple[str, str, Mapping[str, Any]]]
+# One keyed decision written so, ``(kind, reason, numbers, key)``: a calibration stored
+# (:meth:`CalibrationStore.set_profile_scale`'s ``said``).
+Keyed = tuple[str, str, Mapping[str, Any], str]
 
 
 def add_decision(
@@ -41,11 +44,53 @@ def add_decision(
     reason: str,
     numbers: Mapping[str, Any],
     at: datetime,
-) -> None:
-    """A decision (unkeyed) of the app ``app_id`` written in ``session``'s transaction: with the
-    write it says (a rollout's move, :meth:`RolloutStore.move_rollout`), both or neither."""
+    *,
+    key: str | None = None,
+    merge_window_s: float = 0.0,
+) -> m.DecisionRow:
+    """A decision of the app ``app_id`` written in ``session``'s transaction: with the write it
+    says (a rollout's move, :meth:`RolloutStore.move_rollout`), both or neither. A keyed one
+    repeats the row :meth:`DecisionStore.record_decision` says it does (``merge_window_s``: the
+    store's ``decision_merge_window_s``)."""
     body = _json_document(numbers, "numbers")
-    _add_row(session, app_id, _label(kind, "kind", max_length=32), reason, body, None, at)
+    kind = _label(kind, "kind", max_length=32)
+    if key is not None:
+        key = _label(key, "key", max_length=_DECISION_KEY_MAX)
+        same = _repeated(session, app_id, kind, key, at, merge_window_s)
+        if same is not None:
+            same.count += 1
+            seen = same.at if same.last_at is None else same.last_at
+            same.last_at = max(seen, at)
+            same.reason = reason
+            same.numbers = body
+            session.flush()
+            return same
+    return _add_row(session, app_id, kind, reason, body, key, at)
+
+
+def _repeated(
+    session: Session, app_id: int, kind: str, key: str, now: datetime, merge_window_s: float
+) -> m.DecisionRow | None:
+    """The row a keyed decision repeats (see :meth:`DecisionStore.record_decision`), or None."""
+    newest = (m.DecisionRow.at.desc(), m.DecisionRow.id.desc())
+    same = session.scalars(
+        select(m.DecisionRow)
+        .where(m.DecisionRow.app_id == app_id, m.DecisionRow.kind == kind, m.DecisionRow.key == key)
+        .order_by(*newest)
+        .limit(1)
+    ).first()
+    if same is None:
+        return None
+    seen = same.at if same.last_at is None else same.last_at
+    if (now - seen).total_seconds() <= merge_window_s:
+        return same
+    latest = session.scalars(
+        select(m.DecisionRow.id)
+        .where(m.DecisionRow.app_id == app_id, m.DecisionRow.kind == kind)
+        .order_by(*newest)
+        .limit(1)
+    ).first()
+    return same if latest == same.id else None
 
 
 def _add_row(
@@ -90,50 +135,20 @@ class DecisionStore(StoreBase):
         decision of the kind, or was last made within ``decision_merge_window_s``: its row then
         counts one more (``count``), takes ``at`` as its ``last_at`` and the newest reason and
         numbers, and keeps its first ``at``. Anything else adds a row (count 1)."""
-        body = _json_document(numbers or {}, "numbers")
         now = self._now(at)
-        kind = _label(kind, "kind", max_length=32)
-        if key is not None:
-            key = _label(key, "key", max_length=_DECISION_KEY_MAX)
         with transaction(self._sessions) as session:
             row = _app_row(session, app)
-            same = None if key is None else self._repeated(session, row.id, kind, key, now)
-            if same is not None:
-                same.count += 1
-                seen = same.at if same.last_at is None else same.last_at
-                same.last_at = max(seen, now)
-                same.reason = reason
-                same.numbers = body
-                session.flush()
-                return _decision_record(same, app)
-            decision = _add_row(session, row.id, kind, reason, body, key, now)
-            return _decision_record(decision, app)
-
-    def _repeated(
-        self, session: Session, app_id: int, kind: str, key: str, now: datetime
-    ) -> m.DecisionRow | None:
-        """The row a keyed decision repeats (see :meth:`record_decision`), or None."""
-        newest = (m.DecisionRow.at.desc(), m.DecisionRow.id.desc())
-        same = session.scalars(
-            select(m.DecisionRow)
-            .where(
-                m.DecisionRow.app_id == app_id, m.DecisionRow.kind == kind, m.DecisionRow.key == key
+            decision = add_decision(
+                session,
+                row.id,
+                kind,
+                reason,
+                numbers or {},
+                now,
+                key=key,
+                merge_window_s=self.decision_merge_window_s,
             )
-            .order_by(*newest)
-            .limit(1)
-        ).first()
-        if same is None:
-            return None
-        seen = same.at if same.last_at is None else same.last_at
-        if (now - seen).total_seconds() <= self.decision_merge_window_s:
-            return same
-        latest = session.scalars(
-            select(m.DecisionRow.id)
-            .where(m.DecisionRow.app_id == app_id, m.DecisionRow.kind == kind)
-            .order_by(*newest)
-            .limit(1)
-        ).first()
-        return same if latest == same.id else None
+            return _decision_record(decision, app)
 
     @_translated
     def list_decisions(
