@@ -336,28 +336,36 @@ class InfaasScaler:
             held_back=None if self.held_back is None else self.held_back(app.name),
         )
         decisions, state = decide(context, scaled.state, self._config)
-        for d in decisions:
-            self._store.record_decision(
+        # The tick's decisions in one transaction: each carries the fleet after the whole tick
+        # (FLEET_AFTER, what a restarted scaler starts from), so that a crash between two left
+        # the second's change made and never said.
+        if decisions:
+            self._store.record_decisions(
                 app.name,
-                d.action,
-                d.reason,
-                {
-                    **d.numbers,
-                    "policy": "infaas",
-                    "at_s": now_s,
-                    # What a restarted policy starts from (_start_fleet).
-                    PLAN_ID: plan.id,
-                    FLEET_AFTER: {t: int(n) for t, n in state.fleet.items()},
-                },
-                # A cap that lasts is one row (per model and type), as the tuner's.
-                key=f"infaas:{d.model}:{d.instance_type}"
-                if d.action == "infaas_budget_capped"
-                else None,
+                [
+                    (
+                        d.action,
+                        d.reason,
+                        {
+                            **d.numbers,
+                            "policy": "infaas",
+                            "at_s": now_s,
+                            # What a restarted policy starts from (_start_fleet).
+                            PLAN_ID: plan.id,
+                            FLEET_AFTER: {t: int(n) for t, n in state.fleet.items()},
+                        },
+                        # A cap that lasts is one row (per model and type), as the tuner's.
+                        f"infaas:{d.model}:{d.instance_type}"
+                        if d.action == "infaas_budget_capped"
+                        else None,
+                    )
+                    for d in decisions
+                ],
             )
         # Only now does the reconciler see the new fleet: a decision is in the log before what
         # the reconciler does about it (a drain before its terminate, a replica before its launch).
-        # A write that fails leaves the scaler as it was (the decisions written before it may be
-        # written again next tick).
+        # A write that fails leaves the scaler as it was, none of the tick's decisions written:
+        # the next tick decides again.
         with self._lock:
             scaled.state = state
             self._apps[app.name] = scaled

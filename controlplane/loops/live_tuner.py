@@ -82,7 +82,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -509,38 +509,46 @@ class LiveTuner:
             elif d.action == "scale_up":
                 capped = None
             recorded.append(d)
+        # The tick's decisions in one transaction: each carries the fleets after the whole tick
+        # (FLEETS_AFTER, what a restarted tuner starts from), so that a crash between two left
+        # the second stage's change made and never said.
+        said: list[tuple[str, str, dict[str, Any], str | None]] = []
         for d in recorded:
             reach = reaches.get(d.stage)
-            self._store.record_decision(
-                app.name,
-                d.action,
-                d.reason if reach is None else f"{d.reason}; {_reach_words(reach)}",
-                {
-                    "stage": d.stage,
-                    "instance_type": d.instance_type,
-                    "count": d.count,
-                    # Summed price by price: 0.1 + 0.05 read 0.15000000000000002 in the API.
-                    "cost_usd_per_hr_after": money(d.cost_usd_per_hr_after),
-                    "at_s": d.at_s,
-                    # Which load model sized the stage, and why not the load model if asked.
-                    "model": models[d.stage],
-                    "model_note": tuned.model_note if models[d.stage] == "inferline" else None,
-                    # The stage's share sized for where the live reach stood in for the plan's.
-                    **({"reach": reach} if reach is not None else {}),
-                    # What a restarted tuner starts from (_reached_fleets): the fleet it had
-                    # reached on this plan, not the plan's.
-                    **(
-                        {PLAN_ID: tuned.plan_id, FLEETS_AFTER: _fleets_of(state)}
-                        if d.action in TUNER_KINDS
-                        else {}
-                    ),
-                },
-                # A cap that lasts (per stage and what it wanted) is one row with a count.
-                key=_cap_key(d) if d.action == "budget_capped" else None,
+            said.append(
+                (
+                    d.action,
+                    d.reason if reach is None else f"{d.reason}; {_reach_words(reach)}",
+                    {
+                        "stage": d.stage,
+                        "instance_type": d.instance_type,
+                        "count": d.count,
+                        # Summed price by price: 0.1 + 0.05 read 0.15000000000000002 in the API.
+                        "cost_usd_per_hr_after": money(d.cost_usd_per_hr_after),
+                        "at_s": d.at_s,
+                        # Which load model sized the stage, and why not the load model if asked.
+                        "model": models[d.stage],
+                        "model_note": tuned.model_note if models[d.stage] == "inferline" else None,
+                        # The stage's share sized for where the live reach stood in for the
+                        # plan's.
+                        **({"reach": reach} if reach is not None else {}),
+                        # What a restarted tuner starts from (_reached_fleets): the fleet it had
+                        # reached on this plan, not the plan's.
+                        **(
+                            {PLAN_ID: tuned.plan_id, FLEETS_AFTER: _fleets_of(state)}
+                            if d.action in TUNER_KINDS
+                            else {}
+                        ),
+                    },
+                    # A cap that lasts (per stage and what it wanted) is one row with a count.
+                    _cap_key(d) if d.action == "budget_capped" else None,
+                )
             )
+        if said:
+            self._store.record_decisions(app.name, said)
         # Only now does the reconciler see the new fleet: a decision is in the log before what
         # the reconciler does about it (a scale-up before its launch). A write that fails leaves
-        # the tuner as it was (the decisions written before it may be written again next tick).
+        # the tuner as it was, none of the tick's decisions written: the next tick decides again.
         caps = _batch_caps(tuned, state, arrivals, now_s)
         with self._lock:
             tuned.state = state

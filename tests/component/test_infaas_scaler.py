@@ -206,13 +206,13 @@ def test_an_overloaded_variant_is_replicated_and_drained_once_the_load_is_gone(
             # While a decision is written, the reconciler (another thread) still sees the old
             # fleet: the decision is in the log before what the reconciler does about it.
             seen: list[dict[str, int]] = []
-            record = store.record_decision
+            record = store.record_decisions  # the tick's decisions, in one transaction
 
             def recording(*args: Any, **kwargs: Any) -> Any:
                 seen.append(dict(scaler.desired_fleet(store.get_app(APP))))
                 return record(*args, **kwargs)
 
-            store.record_decision = recording  # type: ignore[method-assign]
+            store.record_decisions = recording  # type: ignore[method-assign]
             made = await asyncio.to_thread(scaler.tick)
             assert [d.action for _, d in made] == ["infaas_replicate"]
             assert seen == [{LARGE: 1}]

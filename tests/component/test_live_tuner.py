@@ -28,6 +28,7 @@ from controlplane.policies.sizing import SizingLadder
 from controlplane.policies.tuner import TunerConfig, planning_envelope
 from controlplane.spec import resolve_spec, validate_spec
 from estimator.envelope import DEFAULT_MAX_WINDOW_S, tuner_windows_s
+from tests.dying_writes import decision_write_fails
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 APP = "recs"
@@ -171,13 +172,13 @@ def test_a_decision_is_in_the_log_before_the_reconciler_can_act_on_it(
     feed.arrival_s = steady(50.0, 940.0, 1000.0)
     tuner.tick()
     seen: list[dict[str, int]] = []
-    record = store.record_decision
+    record = store.record_decisions  # the tick's decisions, in one transaction
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         seen.append(dict(tuner.desired_fleet(app)))
         return record(*args, **kwargs)
 
-    monkeypatch.setattr(store, "record_decision", recording)
+    monkeypatch.setattr(store, "record_decisions", recording)
     clock.advance(60.0)
     feed.arrival_s = steady(256.0, 1000.0, 1060.0)
     made = tuner.tick()
@@ -961,6 +962,30 @@ def test_a_cascade_keeps_inferlines_model_on_every_stage(store: Store, tmp_path:
     for decision in ups:
         assert decision.numbers["model"] == "inferline"
         assert decision.numbers["model_note"] == "a cascade: InferLine's model per stage"
+
+
+def test_a_tick_whose_second_decision_was_not_written_wrote_neither(
+    store: Store, tmp_path: Path
+) -> None:
+    """A tick scales both stages of a cascade up, and the write of the second decision fails
+    (the loops process dies there): neither is written, and the tuner started again scales both
+    and says each once. Each decision was written in a transaction of its own, the first
+    carrying the fleets after the whole tick (what a restarted tuner starts from): the second
+    stage's instances were bought and never said."""
+    cascade_app(store, tmp_path, budget=1.0)
+    clock, feed = FakeClock(start_s=1000.0), Feed()
+    feed.arrival_s = steady(256.0, 940.0, 1000.0)
+    with decision_write_fails("s 0.5, rho") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            LiveTuner(store, clock, feed, resolve, submit=Worker()).tick()
+        assert failing == []
+    assert decisions_of(store, "scale_up") == []
+    clock.advance(1.0)
+    feed.arrival_s = steady(256.0, 941.0, 1001.0)
+    restarted = LiveTuner(store, clock, feed, resolve, submit=Worker())
+    assert [d.action for _, d in restarted.tick()] == ["scale_up", "scale_up"]
+    ups = decisions_of(store, "scale_up")
+    assert sorted(d.numbers["stage"] for d in ups) == ["large", "tiny"]
 
 
 def create_cascade_app(

@@ -522,6 +522,28 @@ def test_a_repeated_keyed_decision_is_one_row_with_a_count(store: Store, clock: 
     assert [d.count for d in store.list_decisions("recs", kinds=["scale_up"])] == [1, 1]
 
 
+def test_decisions_recorded_together_are_written_all_or_none(
+    store: Store, clock: StepClock
+) -> None:
+    """One pass of a loop's decisions (the tuner's stages): a bad one writes none of them; a
+    keyed one repeats the row it would repeat alone."""
+    store.create_app(spec("recs"), who="alice")
+    store.record_decision("recs", "budget_capped", "capped", {"n": 1}, key="tiny")
+    clock.advance(1)
+    with pytest.raises(InvalidValueError, match="numbers"):
+        store.record_decisions(
+            "recs",
+            [("scale_up", "a", {"k": 1}, None), ("scale_up", "b", {"k": float("nan")}, None)],
+        )
+    assert [d.kind for d in store.list_decisions("recs")] == ["budget_capped"]
+    made = store.record_decisions(
+        "recs",
+        [("scale_up", "a", {"k": 1}, None), ("budget_capped", "capped", {"n": 2}, "tiny")],
+    )
+    assert [(d.kind, d.count) for d in made] == [("scale_up", 1), ("budget_capped", 2)]
+    assert len(store.list_decisions("recs")) == 2
+
+
 def test_a_decision_made_again_after_since_is_listed_since(store: Store, clock: StepClock) -> None:
     """A failed launch repeated every 5 s since 20 s ago is one row first made at T0: asked for
     what was decided in the last 10 s (``events --since``), it was left out, the repeats in

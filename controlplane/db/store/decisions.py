@@ -151,6 +151,39 @@ class DecisionStore(StoreBase):
             return _decision_record(decision, app)
 
     @_translated
+    def record_decisions(
+        self,
+        app: str,
+        decisions: Sequence[tuple[str, str, Mapping[str, Any], str | None]],
+        *,
+        at: datetime | None = None,
+    ) -> list[DecisionRecord]:
+        """Record ``decisions`` of ``app``, each ``(kind, reason, numbers, key)`` as
+        :meth:`record_decision` does, in one transaction: what one pass of a loop decided
+        (the tuner's stages), all or none (a crash between two would leave the first saying
+        what the second did, :data:`~controlplane.loops.reached.FLEETS_AFTER`, and the second
+        never said)."""
+        now = self._now(at)
+        with transaction(self._sessions) as session:
+            row = _app_row(session, app)
+            return [
+                _decision_record(
+                    add_decision(
+                        session,
+                        row.id,
+                        kind,
+                        reason,
+                        numbers,
+                        now,
+                        key=key,
+                        merge_window_s=self.decision_merge_window_s,
+                    ),
+                    app,
+                )
+                for kind, reason, numbers, key in decisions
+            ]
+
+    @_translated
     def list_decisions(
         self,
         app: str | None = None,
