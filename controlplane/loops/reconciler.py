@@ -3627,27 +3627,29 @@ class Reconciler:
 
     def _terminate(self, app: AppRecord, action: Terminate, errors: _Errors) -> list[str]:
         if action.instance_ids:
-            self.store.record_decision(
+            # The rows and the decision in one transaction: the decision written first, a crash
+            # before the rows moved had the reconciler started again decide and say it again.
+            _moved, failed = self.store.transition_instances(
                 app.name,
-                "terminate",
-                f"terminate {len(action.instance_ids)} instance(s) ({action.cause}):"
-                f" {action.reason}",
-                {
-                    "cause": action.cause,
-                    "instance_ids": list(action.instance_ids),
-                    "provider_ids": list(action.provider_ids),
-                    "saved_usd_per_hr": action.saved_usd_per_hr,
-                },
+                action.instance_ids,
+                _S.TERMINATING.value,
+                reason=f"{action.cause}: {action.reason}",
+                said=[
+                    (
+                        "terminate",
+                        f"terminate {len(action.instance_ids)} instance(s) ({action.cause}):"
+                        f" {action.reason}",
+                        {
+                            "cause": action.cause,
+                            "instance_ids": list(action.instance_ids),
+                            "provider_ids": list(action.provider_ids),
+                            "saved_usd_per_hr": action.saved_usd_per_hr,
+                        },
+                    )
+                ],
             )
-        for instance_id in action.instance_ids:
-            errors.guard(
-                functools.partial(
-                    self.store.transition_instance,
-                    instance_id,
-                    _S.TERMINATING.value,
-                    reason=f"{action.cause}: {action.reason}",
-                )
-            )
+            for error in failed:
+                errors.note(error)
         crash_point("reconcile.before_terminate")
         return self._provider_terminate(app.name, action.provider_ids, errors)
 
@@ -4168,7 +4170,13 @@ class _Errors(list[str]):
         ``terminating`` or ended now) is no error: there is nothing left to move."""
         try:
             return call()
-        except InvalidTransitionError as error:
+        except ControlPlaneError as error:
+            self.note(error)
+            return None
+
+    def note(self, error: ControlPlaneError) -> None:
+        """A store write's error, as :meth:`guard` takes it."""
+        if isinstance(error, InvalidTransitionError):
             # Only a move to running (a worker found up): a launched machine's row ended
             # meanwhile (requested -> pending refused) is still said; the orphan sweep ends it.
             if error.from_state not in _ENDING or error.to_state != _S.RUNNING.value:
@@ -4176,8 +4184,6 @@ class _Errors(list[str]):
                 self.append(str(error))
             else:
                 logger.debug("reconcile: ended meanwhile: %s", error)
-            return None
-        except ControlPlaneError as error:
-            logger.warning("reconcile: %s", error)
-            self.append(str(error))
-            return None
+            return
+        logger.warning("reconcile: %s", error)
+        self.append(str(error))

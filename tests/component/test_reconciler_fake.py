@@ -38,7 +38,7 @@ from provisioners.base import (
     ProvisionerEvent,
 )
 from provisioners.fake import FakeProvisioner
-from tests.dying_writes import decision_write_fails
+from tests.dying_writes import decision_write_fails, instance_move_fails
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 PRICES = {SMALL: 0.05, LARGE: 0.1}
@@ -321,6 +321,31 @@ def test_a_lowered_budget_terminates_the_least_cost_effective(world: World) -> N
     assert capped.numbers["wanted"] == {SMALL: 2}
     assert world.fake.launched_total == 4
     assert len(before) == 1  # one drain, one call
+
+
+def test_a_terminate_whose_rows_did_not_move_is_not_said_either(world: World) -> None:
+    """The process dies moving the rows of a terminate it decided (here the write of a row's
+    move fails): neither the moves nor the decision are kept, and the reconciler started again
+    terminates them and says it once. The decision used to be written first, in a
+    transaction of its own: the restarted reconciler decided the terminate again and said it
+    twice."""
+    apply_fleet(world.store, {SMALL: 2, LARGE: 2})
+    world.tick()
+    world.fake.step()
+    world.tick()
+    smalls = {r.id for r in world.store.list_instances(APP) if r.instance_type == SMALL}
+    world.store.change_budget(APP, 0.2, reason="cut", who="test")
+    with instance_move_fails("budget:") as failing:
+        with pytest.raises(RuntimeError, match="died writing the instance_events row"):
+            world.tick()
+        assert failing == []
+    assert decisions(world.store, "terminate") == []
+    assert by_state(world.store) == {"running": 4}
+    world.restart()
+    world.tick()
+    (said,) = decisions(world.store, "terminate")
+    assert set(said.numbers["instance_ids"]) == smalls
+    assert by_state(world.store) == {"running": 2, "terminating": 2}
 
 
 def test_a_new_plan_that_trades_a_type_keeps_the_old_one_until_the_new_one_serves(

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -28,13 +28,14 @@ from controlplane.db.store.base import (
     _translated,
     _values,
 )
+from controlplane.db.store.decisions import Words, add_decision
 from controlplane.db.store.records import (
     InstanceEventRecord,
     InstanceRecord,
     _event_record,
     _instance_record,
 )
-from controlplane.errors import ConflictError, InvalidValueError
+from controlplane.errors import ConflictError, ControlPlaneError, InvalidValueError
 from controlplane.policies.lifecycle import LIVE_STATES, InstanceState, check_transition
 from provisioners.interruptions import MARKETS
 
@@ -320,6 +321,62 @@ class InstanceStore(StoreBase):
                     f"provider id {provider_id!r} is already recorded for another instance"
                 ) from None
         raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
+
+    @_translated
+    def transition_instances(
+        self,
+        app: str,
+        instance_ids: Sequence[str],
+        to_state: str,
+        *,
+        reason: str,
+        said: Words = (),
+        at: datetime | None = None,
+    ) -> tuple[list[InstanceRecord], list[ControlPlaneError]]:
+        """Move ``app``'s instances ``instance_ids`` to ``to_state`` as :meth:`transition_instance`
+        does, and write the decisions ``said`` of the app, in one transaction: the moves and the
+        words that say them, all or none (a terminate said and its rows not yet moved was said
+        again by the reconciler started again). A row that may not move (ended meanwhile:
+        :class:`InvalidTransitionError`; or by another writer since it was read:
+        :class:`ConflictError`) or is gone (:class:`NotFoundError`) stays as it is: the moved
+        rows, and the errors of those."""
+        now = self._now(at)
+        moved: list[InstanceRecord] = []
+        failed: list[ControlPlaneError] = []
+        with transaction(self._sessions) as session:
+            app_id = _app_row(session, app).id
+            for instance_id in instance_ids:
+                try:
+                    instance, name = _instance_row(session, instance_id)
+                    from_state = instance.state
+                    check_transition(from_state, to_state)
+                except ControlPlaneError as error:
+                    failed.append(error)
+                    continue
+                result = session.execute(
+                    update(m.Instance)
+                    .where(m.Instance.id == instance_id, m.Instance.state == from_state)
+                    .values(state=to_state, updated_at=now)
+                    .execution_options(synchronize_session=False)
+                )
+                if cast(CursorResult[Any], result).rowcount != 1:  # moved since it was read
+                    failed.append(ConflictError(f"instance {instance_id!r} changed meanwhile"))
+                    continue
+                session.add(
+                    m.InstanceEvent(
+                        instance_id=instance_id,
+                        from_state=from_state,
+                        to_state=to_state,
+                        at=now,
+                        reason=reason,
+                    )
+                )
+                session.flush()
+                session.refresh(instance)
+                moved.append(_instance_record(instance, name))
+            for kind, text, numbers in said:
+                add_decision(session, app_id, kind, text, numbers, now)
+        return moved, failed
 
     @_translated
     def touch_instances(self, instance_ids: Iterable[str], *, at: datetime | None = None) -> int:
