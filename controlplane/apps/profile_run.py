@@ -513,16 +513,8 @@ def run_profile(
     # `app down` while the run measured: the app is about to go (or gone), so nothing is stored
     # and the run says so rather than "profiles stored ... plan it with".
     gone = f"profile run of {app} stopped: the app was deleted while it measured; nothing stored"
-    try:
-        refuse_torn_down(store, store.get_app(app), "nothing measured is stored")
-        store.put_app_profiles(app, kept_with(store.get_app_profiles(app), document, types))
-    except NotFoundError:
-        raise ProfilingInterruptedError(gone) from None
-    except ConflictError as error:
-        raise ProfilingInterruptedError(f"profile run of {app} stopped: {error}") from None
-    resolver.invalidate(app)
-    store.record_decision(
-        app,
+    # Said in the store's transaction (a crash leaves both or neither).
+    said = (
         DECISION_KIND,
         f"latency profiles of {', '.join(models)} measured on {', '.join(types)} by {who}"
         f" ({len(request.batch_sizes)} batch sizes, {request.samples} samples each)",
@@ -535,6 +527,16 @@ def run_profile(
             "elapsed_s": elapsed_s,
         },
     )
+    try:
+        refuse_torn_down(store, store.get_app(app), "nothing measured is stored")
+        store.put_app_profiles(
+            app, kept_with(store.get_app_profiles(app), document, types), said=[said]
+        )
+    except NotFoundError:
+        raise ProfilingInterruptedError(gone) from None
+    except ConflictError as error:
+        raise ProfilingInterruptedError(f"profile run of {app} stopped: {error}") from None
+    resolver.invalidate(app)
     return result
 
 

@@ -54,6 +54,7 @@ from provisioners.artifacts import FAMILY_SIGNATURE, numpy_dtype
 from provisioners.base import APP_TAG, INSTANCE_TAG, LaunchRequest, ProvisionedInstance
 from provisioners.fake import FakeProvisioner
 from provisioners.worker.oip import HEADER_LENGTH
+from tests.dying_writes import decision_write_fails
 
 SMALL, GPU = "emu.cpu.small", "emu.gpu"
 APP = "digits"
@@ -249,6 +250,24 @@ def test_a_run_measures_through_one_worker_per_type_stores_and_stops_them(
     assert resolved.profile("small", GPU).batch_sizes.tolist() == [1, 4]
     (decision,) = [d for d in world.store.list_decisions(APP) if d.kind == "profiles_measured"]
     assert "tester" in decision.reason and decision.numbers["instance_types"] == [SMALL, GPU]
+
+
+def test_a_run_whose_decision_was_not_written_stores_nothing_either(world: World) -> None:
+    """The write of the run's decision fails (the process dies there): its profiles are not
+    stored either, its workers end, and the run again stores them and says it once. The
+    decision used to be written after the profiles, in a transaction of its own: the profiles
+    were stored and never said."""
+    register(world, spec())
+    with decision_write_fails("latency profiles of small measured") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            profile(world)
+        assert failing == []
+    assert world.store.get_app_profiles(APP) is None
+    assert world.store.list_decisions(APP, kinds=["profiles_measured"]) == []
+    assert live(world.provisioner) == []
+    profile(world)
+    assert world.store.get_app_profiles(APP) is not None
+    assert len(world.store.list_decisions(APP, kinds=["profiles_measured"])) == 1
 
 
 def test_a_run_on_some_types_keeps_the_other_types_profiles(world: World) -> None:

@@ -21,7 +21,7 @@ from controlplane.db.store.base import (
     _label,
     _translated,
 )
-from controlplane.db.store.decisions import Keyed, add_decision
+from controlplane.db.store.decisions import Keyed, Words, add_decision
 from controlplane.db.store.records import (
     ProfileScaleRecord,
     ServingOverheadRecord,
@@ -217,10 +217,17 @@ class CalibrationStore(StoreBase):
 
     @_translated
     def put_app_profiles(
-        self, app: str, document: Mapping[str, Any], *, at: datetime | None = None
+        self,
+        app: str,
+        document: Mapping[str, Any],
+        *,
+        said: Words = (),
+        at: datetime | None = None,
     ) -> None:
         """Store ``app``'s measured latency profiles (a profile JSON document), replacing the
-        ones before; :class:`NotFoundError` for an app not registered."""
+        ones before; :class:`NotFoundError` for an app not registered. ``said``: the decisions
+        that say it, written in the same transaction (a profile run's: a crash between the two
+        left the profiles stored and never said)."""
         stored = _json_document(document, "document")
         now = self._now(at)
         with transaction(self._sessions) as session:
@@ -231,6 +238,8 @@ class CalibrationStore(StoreBase):
             else:
                 found.document = stored
                 found.measured_at = now
+            for kind, text, numbers in said:
+                add_decision(session, row.id, kind, text, numbers, now)
 
     @_translated
     def delete_app_profiles(self, app: str) -> None:
