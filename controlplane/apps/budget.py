@@ -31,6 +31,7 @@ from typing import Any
 from controlplane.apps.resolver import AppResolver, smallest_common_batch_size
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import BudgetChangeRecord, InstanceRecord, Store
+from controlplane.db.store.decisions import Words
 from controlplane.errors import BudgetBelowServingFleetError
 from controlplane.policies import scaling
 from controlplane.policies.drain import (
@@ -236,11 +237,12 @@ def change_budget(
         InvalidValueError: a budget the store refuses.
     """
     stages, values = check_serving_floor(store, resolver, app, usd_per_hr, force=force)
-    change = store.change_budget(app, usd_per_hr, reason=reason, who=who)
-    crash_point("budget.after_change")
-    drain, live, note = record_budget_drain(
-        store, app, change.new_usd_per_hr, who, stages, values, force=force
+    # The drain said in the change's transaction (a crash leaves both or neither).
+    drain, live, note, said = budget_drain(
+        store, app, float(usd_per_hr), who, stages, values, force=force
     )
+    change = store.change_budget(app, usd_per_hr, reason=reason, who=who, said=said)
+    crash_point("budget.after_change")
     return BudgetChange(change, drain, tuple(live), note)
 
 
@@ -259,6 +261,25 @@ def record_budget_drain(
     instances, and the note of the ``budget_drain`` decision recorded when the fleet is over the
     budget (``None``, and no decision, when it is not). A new budget in an app's spec (``PUT
     /v1/apps/{app}``) is recorded as :func:`change_budget`'s is."""
+    drain, live, note, said = budget_drain(store, app, usd_per_hr, who, stages, values, force=force)
+    for kind, reason, numbers in said:
+        store.record_decision(app, kind, reason, numbers)
+    return drain, live, note
+
+
+def budget_drain(
+    store: Store,
+    app: str,
+    usd_per_hr: float,
+    who: str,
+    stages: Mapping[str, Mapping[str, int]],
+    values: Mapping[str, float],
+    *,
+    force: bool = False,
+) -> tuple[DrainPlan, list[InstanceRecord], str | None, Words]:
+    """:func:`record_budget_drain`'s drain plan, live instances and note, and its decision (none
+    when the fleet is within ``usd_per_hr``), not recorded: :func:`change_budget` writes it with
+    the change."""
     live = live_instances(store, app)
     # The reconciler's budget guard's own drain (what it stops, the decision names): the
     # stages with the types no stage plans (the tuner's additions serve every stage).
@@ -298,15 +319,18 @@ def record_budget_drain(
             f" {plain(usd_per_hr)} USD/hr{forced}: {len(drain.drain)} instance(s) to"
             f" drain ({drain.saved_usd_per_hr:.3f} USD/hr), least cost-effective first{leaving}"
         )
-        store.record_decision(
-            app,
-            "budget_drain",
-            f"budget lowered to {plain(usd_per_hr)} USD/hr by {who}: {note}",
-            {
-                "budget_usd_per_hr": usd_per_hr,
-                "fleet_cost_usd_per_hr": drain.fleet_cost_usd_per_hr,
-                "kept_cost_usd_per_hr": drain.kept_cost_usd_per_hr,
-                "drain": [c.id for c in drain.drain],
-            },
-        )
-    return drain, live, note
+        said: Words = [
+            (
+                "budget_drain",
+                f"budget lowered to {plain(usd_per_hr)} USD/hr by {who}: {note}",
+                {
+                    "budget_usd_per_hr": usd_per_hr,
+                    "fleet_cost_usd_per_hr": drain.fleet_cost_usd_per_hr,
+                    "kept_cost_usd_per_hr": drain.kept_cost_usd_per_hr,
+                    "drain": [c.id for c in drain.drain],
+                },
+            )
+        ]
+    else:
+        said = []
+    return drain, live, note, said

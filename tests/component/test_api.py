@@ -1057,6 +1057,32 @@ def test_a_budget_below_the_fleet_cost_lists_instances_to_drain(api: Api) -> Non
     assert decision["numbers"]["budget_usd_per_hr"] == 0.7
 
 
+def test_a_budget_cut_whose_drain_was_not_said_is_not_made_either(api: Api) -> None:
+    """The write of the cut's ``budget_drain`` decision fails (the process dies there, or its
+    database write does): the budget is not changed either, and setting it again changes it and
+    says the drain once. The decision used to be written after the change, in a transaction of
+    its own: the budget was cut and the drain never said, unless the cut was made again."""
+    api.register(budget_usd_per_hr=10.0)
+    for i, itype in enumerate(["r5n.large", "t3.xlarge"]):
+        api.store.record_instance(
+            "toy",
+            request_id=f"r{i}",
+            instance_type=itype,
+            price_usd_per_hr={"r5n.large": 0.149, "t3.xlarge": 0.1664}[itype],
+            provider_id=f"i-{i:04d}",
+            state="running",
+        )
+    body = {"budget_usd_per_hr": 0.2, "reason": "cost cut"}
+    with decision_write_fails("budget lowered to 0.2 USD/hr") as failing:
+        died = api.call("PUT", "/v1/apps/toy/budget", json=body)
+        assert died.status_code == 500 and failing == [], died.text
+    assert api.call("GET", "/v1/apps/toy").json()["budget_usd_per_hr"] == 10.0
+    answer = api.call("PUT", "/v1/apps/toy/budget", json=body)
+    assert answer.status_code == 200, answer.text
+    (decision,) = api.call("GET", "/v1/apps/toy/decisions?kind=budget_drain").json()
+    assert decision["numbers"]["budget_usd_per_hr"] == 0.2
+
+
 def test_a_budget_cuts_note_counts_the_instances_draining_already(api: Api) -> None:
     """Five running and one draining (a scale-down's): its note said "the fleet costs 0.894
     USD/hr ... 1 instance(s) to drain (0.149 USD/hr)", which leaves it over the budget; the

@@ -29,6 +29,7 @@ from controlplane.db.store.base import (
     _translated,
     _values,
 )
+from controlplane.db.store.decisions import Words, add_decision
 from controlplane.db.store.records import (
     AppRecord,
     BudgetChangeRecord,
@@ -193,12 +194,15 @@ class AppStore(StoreBase):
         reason: str,
         who: str,
         expected_version: int | None = None,
+        said: Words = (),
         at: datetime | None = None,
     ) -> BudgetChangeRecord:
         """Set the app's budget (and its spec's ``budget_usd_per_hr``) and audit it. Concurrent
         changes serialise (the app's row is locked for the change; a lost race, possible only
         without the lock, is retried), so the audit trail is a chain. With
-        ``expected_version``, :class:`ConflictError` if the app changed since."""
+        ``expected_version``, :class:`ConflictError` if the app changed since. ``said``: the
+        decisions that say it (its ``budget_drain``), written in the same transaction: a crash
+        between the two left the budget lowered and the drain never said."""
         budget = _budget(new_usd_per_hr)
         for _ in range(_ATTEMPTS):
             try:
@@ -225,6 +229,8 @@ class AppStore(StoreBase):
                     )
                     session.add(change)
                     session.flush()
+                    for kind, text, numbers in said:
+                        add_decision(session, row.id, kind, text, numbers, now)
                     return _budget_record(change, app)
             except _LostRaceError:
                 continue
