@@ -23,19 +23,24 @@ def decision_write_fails(*reasons: str) -> Iterator[list[str]]:
 
 
 @contextmanager
-def instance_move_fails(*reasons: str) -> Iterator[list[str]]:
+def instance_move_fails(*reasons: str, after: int = 0) -> Iterator[list[str]]:
     """As :func:`decision_write_fails`, of the ``instance_events`` row an instance's move
-    writes (its reason)."""
-    with _write_fails(m.InstanceEvent, reasons) as failing:
+    writes (its reason); ``after``: that many moves whose reason holds ``reasons[0]`` are
+    written first."""
+    with _write_fails(m.InstanceEvent, reasons, after) as failing:
         yield failing
 
 
 @contextmanager
-def _write_fails(model: type[Any], reasons: tuple[str, ...]) -> Iterator[list[str]]:
+def _write_fails(model: type[Any], reasons: tuple[str, ...], after: int = 0) -> Iterator[list[str]]:
     failing = list(reasons)
+    passed = [after]
 
     def killed(_mapper: Any, _connection: Any, row: Any) -> None:
         if failing and failing[0] in row.reason:
+            if passed[0] > 0:
+                passed[0] -= 1
+                return
             failing.pop(0)
             raise RuntimeError(f"test: the process died writing the {model.__tablename__} row")
 

@@ -3929,28 +3929,30 @@ class Reconciler:
         errors: _Errors,
         by: str = "",
     ) -> list[tuple[Launch, InstanceRecord]]:
-        """:meth:`_refused_now`'s refusal: each of ``refused``'s rows failed, one
+        """:meth:`_refused_now`'s refusal: each of ``refused``'s rows failed, with one
         ``launch_refused`` decision; ``kept`` is what goes."""
         refused_by = f"launch refused {by}".rstrip()
-        for _, row in refused:
-            errors.guard(
-                functools.partial(
-                    self.store.transition_instance,
-                    row.id,
-                    _S.FAILED.value,
-                    reason=f"{refused_by}: {why}",
-                )
-            )
-        self.store.record_decision(
+        # The rows and the decision in one transaction: a crash between them left rows failed
+        # that no decision said.
+        _moved, failed = self.store.transition_instances(
             app.name,
-            "launch_refused",
-            f"not launched: {', '.join(r.instance_type for _, r in refused)}: {why}",
-            {
-                "instance_ids": [r.id for _, r in refused],
-                "budget_usd_per_hr": budget,
-                "decided_budget_usd_per_hr": app.budget_usd_per_hr,
-            },
+            [row.id for _, row in refused],
+            _S.FAILED.value,
+            reason=f"{refused_by}: {why}",
+            said=[
+                (
+                    "launch_refused",
+                    f"not launched: {', '.join(r.instance_type for _, r in refused)}: {why}",
+                    {
+                        "instance_ids": [r.id for _, r in refused],
+                        "budget_usd_per_hr": budget,
+                        "decided_budget_usd_per_hr": app.budget_usd_per_hr,
+                    },
+                )
+            ],
         )
+        for error in failed:
+            errors.note(error)
         logger.warning("reconcile %s: %d launch(es) refused: %s", app.name, len(refused), why)
         return kept
 

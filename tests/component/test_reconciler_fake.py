@@ -540,6 +540,34 @@ def test_a_budget_lowered_while_launches_are_decided_refuses_them(world: World) 
     assert world.fake.launched_total == 1 and len(decisions(world.store, "launch_refused")) == 1
 
 
+def test_a_refusal_whose_second_row_did_not_fail_fails_none_and_says_nothing(
+    world: World,
+) -> None:
+    """The process dies failing the rows of a refused launch (here the write of the second
+    row's move): neither the moves nor the ``launch_refused`` decision are kept. The decision
+    used to be written after the rows, each move in a transaction of its own: the first row was
+    left failed and no decision ever said why."""
+    world.store.change_budget(APP, 0.5, reason="room", who="test")
+    stale = world.store.get_app(APP)
+    apply_fleet(world.store, {LARGE: 3})
+    world.store.change_budget(APP, 0.15, reason="cut", who="test")
+    world.clock.advance(5.0)
+    with instance_move_fails("launch refused", after=1) as failing:
+        with pytest.raises(RuntimeError, match="died writing the instance_events row"):
+            world.reconciler.reconcile_app(stale, world.fake.list({}))
+        assert failing == []
+    assert by_state(world.store) == {"requested": 3}
+    assert decisions(world.store, "launch_refused") == []
+    assert world.fake.launched_total == 0
+    # Started again on the budget as it is: one is launched and the others not, each said.
+    world.restart()
+    world.tick()
+    assert by_state(world.store) == {"pending": 1, "failed": 2}
+    (launched,) = decisions(world.store, "launch")
+    (capped,) = decisions(world.store, "budget_capped")
+    assert len(launched.numbers["launches"]) == 1 and capped.numbers["wanted"] == {LARGE: 2}
+
+
 def test_rows_recorded_meanwhile_count_against_the_launches(world: World) -> None:
     """A profile run's (or a rollout's) workers recorded between this tick's read of the rows
     and its launches are counted before launching: they write their rows before their own check,
