@@ -58,10 +58,10 @@ from estimator.numbers import plain
 
 __all__ = [
     "BudgetChange",
+    "budget_drain",
     "change_budget",
     "check_serving_floor",
     "live_instances",
-    "record_budget_drain",
 ]
 
 logger = logging.getLogger(__name__)
@@ -246,27 +246,6 @@ def change_budget(
     return BudgetChange(change, drain, tuple(live), note)
 
 
-def record_budget_drain(
-    store: Store,
-    app: str,
-    usd_per_hr: float,
-    who: str,
-    stages: Mapping[str, Mapping[str, int]],
-    values: Mapping[str, float],
-    *,
-    force: bool = False,
-) -> tuple[DrainPlan, list[InstanceRecord], str | None]:
-    """After ``app``'s budget became ``usd_per_hr`` (by ``who``; ``stages`` and ``values`` as
-    :func:`check_serving_floor` returned them): the drain plan over its live instances, those
-    instances, and the note of the ``budget_drain`` decision recorded when the fleet is over the
-    budget (``None``, and no decision, when it is not). A new budget in an app's spec (``PUT
-    /v1/apps/{app}``) is recorded as :func:`change_budget`'s is."""
-    drain, live, note, said = budget_drain(store, app, usd_per_hr, who, stages, values, force=force)
-    for kind, reason, numbers in said:
-        store.record_decision(app, kind, reason, numbers)
-    return drain, live, note
-
-
 def budget_drain(
     store: Store,
     app: str,
@@ -277,9 +256,11 @@ def budget_drain(
     *,
     force: bool = False,
 ) -> tuple[DrainPlan, list[InstanceRecord], str | None, Words]:
-    """:func:`record_budget_drain`'s drain plan, live instances and note, and its decision (none
-    when the fleet is within ``usd_per_hr``), not recorded: :func:`change_budget` writes it with
-    the change."""
+    """As ``app``'s budget becomes ``usd_per_hr`` (by ``who``; ``stages`` and ``values`` as
+    :func:`check_serving_floor` returned them): the drain plan over its live instances, those
+    instances, the note of the ``budget_drain`` decision, and that decision when the fleet is
+    over the budget (``None`` and none when it is not), to be written with the change
+    (:func:`change_budget`; a new budget in an app's spec, ``PUT /v1/apps/{app}``, the same)."""
     live = live_instances(store, app)
     # The reconciler's budget guard's own drain (what it stops, the decision names): the
     # stages with the types no stage plans (the tuner's additions serve every stage).

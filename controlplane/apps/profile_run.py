@@ -113,6 +113,7 @@ if TYPE_CHECKING:
     from datetime import datetime
 
     from controlplane.db.store import AppRecord, InstanceRecord, Store
+    from controlplane.db.store.decisions import Words
     from controlplane.spec import ResolvedApp
     from provisioners.artifacts import ArtifactRef, ModelSignature, TensorSpec
 
@@ -131,8 +132,8 @@ __all__ = [
     "check_profile_run",
     "end_workers",
     "ended_reason",
-    "forget_moved_profiles",
     "launch_worker",
+    "moved_profiles",
     "predicted_ms",
     "random_inputs",
     "run_profile",
@@ -769,13 +770,15 @@ def kept_with(
     return {**document, "profiles": [*document["profiles"], *carried]}
 
 
-def forget_moved_profiles(
+def moved_profiles(
     store: Store, app: str, old_spec: Mapping[str, Any], new_spec: Mapping[str, Any], who: str
-) -> list[str]:
-    """Drop from ``app``'s measured profiles those of the models whose artifact the new spec
-    document moves to other bytes (another sha256; a version of the same file keeps them), so
-    that the app asks to be profiled again rather than being planned and served on another
-    model's latencies; a ``profiles_measured`` decision says so. The models dropped.
+) -> tuple[list[str], Words]:
+    """The models whose measured profiles of ``app`` the new spec document drops: those whose
+    artifact it moves to other bytes (another sha256; a version of the same file keeps them),
+    so that the app asks to be profiled again rather than being planned and served on another
+    model's latencies; and the ``profiles_measured`` decision that says so. Both go with the
+    spec (:meth:`AppStore.update_app`'s ``drop_profiles`` and ``said``: a crash after the spec
+    left the old bytes' profiles for good); none when no profile of theirs is stored.
 
     A rollout's promotion is not this: it times the new version and stores its profiles."""
     before = {m.get("name"): m.get("artifact") for m in old_spec.get("models") or ()}
@@ -788,26 +791,21 @@ def forget_moved_profiles(
     ]
     document = store.get_app_profiles(app)
     if not moved or not document:
-        return []
-    profiles = document.get("profiles") or []
-    dropped = sorted({p.get("model") for p in profiles if p.get("model") in moved})
-    if not dropped:
-        return []
-    artifacts = {m: ref for m, ref in (document.get("artifacts") or {}).items() if m not in moved}
-    kept = [p for p in profiles if p.get("model") not in moved]
-    if kept:
-        store.put_app_profiles(app, {**document, "profiles": kept, "artifacts": artifacts})
-    else:  # a document of no profiles is refused when read: none is what "not measured" is
-        store.delete_app_profiles(app)
-    store.record_decision(
-        app,
-        DECISION_KIND,
-        f"latency profiles of {', '.join(dropped)} dropped by {who}: the spec serves another"
-        f" artifact for {'it' if len(dropped) == 1 else 'them'}; run heteroplane profile run"
-        f" --app {app}",
-        {"models": dropped, "dropped": True},
+        return [], []
+    dropped = sorted(
+        {p.get("model") for p in document.get("profiles") or () if p.get("model") in moved}
     )
-    return dropped
+    if not dropped:
+        return [], []
+    return moved, [
+        (
+            DECISION_KIND,
+            f"latency profiles of {', '.join(dropped)} dropped by {who}: the spec serves another"
+            f" artifact for {'it' if len(dropped) == 1 else 'them'}; run heteroplane profile run"
+            f" --app {app}",
+            {"models": dropped, "dropped": True},
+        )
+    ]
 
 
 def _artifact_sha256(store: Store, artifact: object) -> str | None:

@@ -441,7 +441,7 @@ def _start_fleet(
 
 def switched_since(store: Store, app: str, plan: PlanRecord) -> bool:
     """Whether ``app``'s scaling was handed to this loop (a ``scaling_switched`` decision,
-    :func:`controlplane.apps.scaling.record_scaling_switch`) after ``plan`` was applied and
+    :func:`controlplane.apps.scaling.scaling_switch`) after ``plan`` was applied and
     after this loop last wrote a fleet: the fleet it had reached is then not what runs. What a
     loop that did not run through the switch (a new leader, a restarted loops process) knows of
     it; the one that did saw the app under the other loop (``InfaasScaler._elsewhere``)."""

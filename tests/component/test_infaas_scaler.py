@@ -495,7 +495,7 @@ def test_a_new_leader_after_a_switch_back_starts_from_the_fleet_that_runs(tmp_pa
     ``scaling_switched`` decisions (what ``PUT /v1/apps/{app}`` records) tell it the fleet it
     had reached is not what runs. Before, it started from the one it had reached and drained
     two that the tuner had grown. A switch before the plan was applied changes nothing."""
-    from controlplane.apps.scaling import SCALING_SWITCHED, record_scaling_switch
+    from controlplane.apps.scaling import SCALING_SWITCHED, scaling_switch
 
     with planned_app(tmp_path, budget_usd_per_hr=0.35) as (clock, store, resolver, plan):
         started_on(store, clock, resolver, plan, ("infaas_drain", "before the switch"), {LARGE: 1})
@@ -503,8 +503,9 @@ def test_a_new_leader_after_a_switch_back_starts_from_the_fleet_that_runs(tmp_pa
         def scaling(mode: str) -> None:
             old = store.get_app(APP).spec
             new = {**old, "scaling": mode}
-            store.update_app(APP, new, who="test")
-            assert record_scaling_switch(store, APP, old, new, "test") is not None
+            said = scaling_switch(old, new, "test")
+            assert said
+            store.update_app(APP, new, who="test", said=said)
 
         clock.advance(1.0)
         scaling("inferline")
@@ -516,7 +517,7 @@ def test_a_new_leader_after_a_switch_back_starts_from_the_fleet_that_runs(tmp_pa
         scaling("infaas")
         # The same mode again is no switch.
         same = store.get_app(APP).spec
-        assert record_scaling_switch(store, APP, same, dict(same), "test") is None
+        assert scaling_switch(same, dict(same), "test") == []
         new_leader = idle_scaler(store, clock, resolver)
         assert new_leader.desired_fleet(store.get_app(APP)) == {LARGE: 3}
         clock.advance(1.0)

@@ -715,6 +715,42 @@ def test_a_spec_that_moves_a_model_to_other_bytes_drops_the_profiles_measured_of
         assert [p for p in kept.get("profiles", []) if p.get("model") == "small"] == []
 
 
+def test_a_spec_whose_profiles_drop_was_not_said_is_not_replaced_either(world: World) -> None:
+    """The write of the decision that says a replaced spec drops a model's profiles fails (the
+    process dies there): neither the spec nor the drop is kept, and replacing it again does all
+    and says it once. The spec was written first, in a transaction of its own: the old bytes'
+    profiles stayed for the new ones (the replace again changed nothing), or were dropped and
+    never said."""
+    world.store.add_model_version(
+        "digits-small", 3, "torchscript", "ef" * 32, 10, FAMILY_SIGNATURE, "file:///r/s3.pt"
+    )
+    settings = Settings(data_dir=world.data_dir / "data", provisioner="fake")
+    token = world.store.create_token("operator", name="op")
+    app = create_app(
+        settings, world.store, world.clock, resolver=world.resolver, provisioner=world.provisioner
+    )
+    auth = {"Authorization": f"Bearer {token}"}
+    document = spec(types=(SMALL,))
+    document["models"][0]["artifact"] = "digits-small@1"
+    with TestClient(app, raise_server_exceptions=False) as client:
+        assert client.post("/v1/apps", json=document, headers=auth).status_code == 201
+        ran = client.post(
+            f"/v1/apps/{APP}/profiles", json={"batch_sizes": [1], "samples": 2}, headers=auth
+        )
+        assert ran.status_code == 200, ran.text
+        document["models"][0]["artifact"] = "digits-small@3"
+        with decision_write_fails("latency profiles of small dropped") as failing:
+            died = client.put(f"/v1/apps/{APP}", json=document, headers=auth)
+            assert died.status_code == 500 and failing == [], died.text
+        assert world.store.get_app(APP).spec["models"][0]["artifact"] == "digits-small@1"
+        assert world.store.get_app_profiles(APP) is not None
+        replaced = client.put(f"/v1/apps/{APP}", json=document, headers=auth)
+        assert replaced.status_code == 200, replaced.text
+    assert world.store.get_app_profiles(APP) is None
+    said = world.store.list_decisions(APP, kinds=["profiles_measured"])
+    assert [d.numbers.get("dropped") for d in said] == [None, True]
+
+
 def test_a_run_whose_rows_are_ended_meanwhile_stops_and_leaves_no_worker(world: World) -> None:
     register(world, spec())
     launch = world.provisioner.launch

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.apps.budget import record_budget_drain
+from controlplane.apps.budget import budget_drain
 from controlplane.db.store import InstanceRecord
 from controlplane.loops.reconciler import Terminate, reconcile
 from controlplane.policies.drain import DrainInstance, plan_drain, serving_floor
@@ -169,17 +169,13 @@ def test_at_or_above_the_floor_every_stage_keeps_an_instance(
 
 
 class _DecisionStore:
-    """Just what ``record_budget_drain`` reads and writes of a store."""
+    """Just what ``budget_drain`` reads of a store."""
 
     def __init__(self, rows: list[InstanceRecord]) -> None:
         self.rows = rows
-        self.decisions: list[tuple[str, str, dict[str, object]]] = []
 
     def list_instances(self, app: str, states: list[str]) -> list[InstanceRecord]:
         return [r for r in self.rows if r.state in states]
-
-    def record_decision(self, app: str, kind: str, reason: str, data: dict[str, object]) -> None:
-        self.decisions.append((kind, reason, data))
 
 
 def _row(name: str, itype: str, state: str, price: float) -> InstanceRecord:
@@ -201,14 +197,14 @@ def _row(name: str, itype: str, state: str, price: float) -> InstanceRecord:
 def test_the_budget_drain_decision_names_what_the_guard_drains(
     rows: list[tuple[str, str, str, float]], budget: float
 ) -> None:
-    """Not forced, ``record_budget_drain`` kept each stage's last instance even where the
+    """Not forced, ``budget_drain`` kept each stage's last instance even where the
     budget could not pay for it (``keep_last``): the decision named other instances than the
     reconciler's guard, which holds the budget, drained (and a kept cost over the budget)."""
     records = [_row(*r) for r in rows]
     store = _DecisionStore(records)
     stages = {"m": {"cpu": 1, "gpu": 1}}
     values = {"cpu": 25.0, "gpu": 100.0}  # per USD/hr: cpu 500, gpu 100
-    drain, _, _ = record_budget_drain(
+    drain, _, _, said = budget_drain(
         store,  # type: ignore[arg-type]
         "app",
         budget,
@@ -231,4 +227,4 @@ def test_the_budget_drain_decision_names_what_the_guard_drains(
     went = sorted(i for a in guarded for i in a.instance_ids)
     assert sorted(c.id for c in drain.drain) == went
     assert drain.kept_cost_usd_per_hr <= budget + 1e-9
-    assert [d[2]["drain"] for d in store.decisions] == [[c.id for c in drain.drain]]
+    assert [d[2]["drain"] for d in said] == [[c.id for c in drain.drain]]

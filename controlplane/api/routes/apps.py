@@ -26,12 +26,12 @@ from controlplane.api.errors import ApiError
 from controlplane.api.routes import AppName, errors
 from controlplane.api.routes.fleet import instance_out
 from controlplane.api.schemas import AppOut, TeardownOut
-from controlplane.apps.budget import check_serving_floor, record_budget_drain
+from controlplane.apps.budget import budget_drain, check_serving_floor
 from controlplane.apps.profile_run import (
     DEFAULT_SAMPLES,
     ProfileRunRequest,
     check_profile_run,
-    forget_moved_profiles,
+    moved_profiles,
     run_profile,
 )
 from controlplane.apps.profiler import (
@@ -41,7 +41,7 @@ from controlplane.apps.profiler import (
     ProfilingError,
 )
 from controlplane.apps.resolver import spec_document
-from controlplane.apps.scaling import record_scaling_switch
+from controlplane.apps.scaling import scaling_switch
 from controlplane.apps.teardown import request_teardown
 from controlplane.db.store import AppRecord
 from controlplane.errors import BudgetBelowServingFleetError, NotFoundError
@@ -198,6 +198,18 @@ def replace_app(
                 f"{error.shortfall}: set it with heteroplane budget set --app"
                 f" {app} --usd-per-hr {budget:g} --force to drain it anyway, then apply the spec",
             ) from None
+    # What the replace drops and says, written with it (a crash leaves all or none: after the
+    # spec alone, the old bytes' profiles stayed for good, and a loop the scaling was handed to
+    # started again on the fleet it had reached before).
+    dropped, said = (
+        moved_profiles(services.store, app, current.spec, replaced, who.name)
+        if changed
+        else ([], [])
+    )
+    said = [*said, *scaling_switch(current.spec, replaced, who.name)]
+    if lowered is not None and isinstance(budget, int | float):
+        stages, values = lowered
+        said += budget_drain(services.store, app, float(budget), who.name, stages, values)[3]
     # At the version read: a budget changed meanwhile is not undone by this replace (409), and
     # a rollout started meanwhile refuses what it works on (its start and this take one lock).
     record = services.store.update_app(
@@ -206,14 +218,12 @@ def replace_app(
         who=who.name,
         expected_version=current.version,
         unless_rollout=", ".join(moved) if moved else None,
+        drop_profiles=dropped,
+        said=said,
     )
     response.headers["ETag"] = _etag(record.version)
-    if changed and forget_moved_profiles(services.store, app, current.spec, replaced, who.name):
+    if dropped:
         services.resolver.invalidate(app)
-    record_scaling_switch(services.store, app, current.spec, replaced, who.name)
-    if lowered is not None:
-        stages, values = lowered
-        record_budget_drain(services.store, app, record.budget_usd_per_hr, who.name, stages, values)
     return app_out(record)
 
 

@@ -3,7 +3,7 @@ app's version), the budget's audit trail, deletion."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -45,6 +45,22 @@ from controlplane.policies.lifecycle import LIVE_STATES
 from controlplane.policies.rollout_states import ACTIVE_STATES, spec_held_by_rollout
 
 __all__ = ["AppStore"]
+
+
+def _drop_profiles(session: Session, app_id: int, models: set[str], now: datetime) -> None:
+    """Drop the app's measured profiles (and artifacts) of ``models``; a document left with no
+    profile is deleted (one of none is refused when read: none is what "not measured" is)."""
+    found = session.get(m.AppProfiles, app_id)
+    if found is None:
+        return
+    document = dict(found.document)
+    kept = [p for p in document.get("profiles") or () if p.get("model") not in models]
+    if not kept:
+        session.delete(found)
+        return
+    artifacts = {n: ref for n, ref in (document.get("artifacts") or {}).items() if n not in models}
+    found.document = {**document, "profiles": kept, "artifacts": artifacts}
+    found.measured_at = now
 
 
 class AppStore(StoreBase):
@@ -118,13 +134,18 @@ class AppStore(StoreBase):
         who: str,
         expected_version: int | None = None,
         unless_rollout: str | None = None,
+        drop_profiles: Collection[str] = (),
+        said: Words = (),
         at: datetime | None = None,
     ) -> AppRecord:
         """Replace the app's spec (its name cannot change); a new budget in it is audited like
         :meth:`change_budget`. :class:`ConflictError` if the app is no longer at
         ``expected_version`` (when given), or, with ``unless_rollout`` (what the replace changes
         that a rollout works on), while a rollout of the app is active: checked under the app's
-        lock, which a rollout's start takes too, so neither slips past the other."""
+        lock, which a rollout's start takes too, so neither slips past the other. In the same
+        transaction (a crash leaves all or none): the app's measured profiles of the models
+        ``drop_profiles`` dropped (the spec moves them to other bytes), and the decisions
+        ``said``."""
         if _app_name(spec_document) != name:
             raise InvalidValueError(
                 "name", f"an app cannot be renamed ({name!r} -> {spec_document.get('name')!r})"
@@ -158,6 +179,10 @@ class AppStore(StoreBase):
                                 reason="spec updated",
                             )
                         )
+                    if drop_profiles:
+                        _drop_profiles(session, row.id, set(drop_profiles), now)
+                    for kind, text, numbers in said:
+                        add_decision(session, row.id, kind, text, numbers, now)
                     return _app_record(_app_row(session, name))
             except _LostRaceError:
                 continue
