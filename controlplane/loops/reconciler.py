@@ -193,6 +193,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
+from controlplane.db.store.decisions import Words
 from controlplane.errors import ControlPlaneError, InvalidTransitionError, NotFoundError
 from controlplane.loops.infaas_scaler import scales_with_infaas
 from controlplane.loops.liveness import Liveness
@@ -3678,16 +3679,19 @@ class Reconciler:
 
     def _end_orphan(self, app: AppRecord, action: Orphan, errors: _Errors) -> list[str]:
         instance = action.instance
-        self.store.record_decision(
-            app.name,
-            "orphan",
-            action.reason,
-            {
-                "provider_id": instance.provider_id,
-                "instance_type": instance.instance_type,
-                "request_id": instance.request_id,
-            },
-        )
+        # The row and the decision in one transaction: the decision written first, a crash
+        # before the row had the reconciler started again find the orphan and say it again.
+        said: Words = [
+            (
+                "orphan",
+                action.reason,
+                {
+                    "provider_id": instance.provider_id,
+                    "instance_type": instance.instance_type,
+                    "request_id": instance.request_id,
+                },
+            )
+        ]
         recorded = errors.guard(
             lambda: self.store.record_instance(
                 app.name,
@@ -3697,6 +3701,7 @@ class Reconciler:
                 provider_id=instance.provider_id,
                 state=_S.TERMINATING.value,
                 reason=action.reason,
+                said=lambda _row: said,
             )
         )
         if recorded is None:
@@ -3726,6 +3731,7 @@ class Reconciler:
             return
         rows: list[tuple[Launch, InstanceRecord]] = []
         for launch in launches:
+            stand_in = launch.stands_for is not None and not launch.retry
             row = self.store.record_instance(
                 app.name,
                 request_id=launch.request_id,
@@ -3733,12 +3739,14 @@ class Reconciler:
                 price_usd_per_hr=launch.price_usd_per_hr,
                 reason=launch.reason,
                 market=launch.market,
+                # A stand-in's decision, read back after a restart, in the row's transaction.
+                said=functools.partial(_stand_in_said, launch) if stand_in else None,
             )
             rows.append((launch, row))
             if launch.replaces_spot and not launch.retry:
                 self._spot_replacements.setdefault(app.name, set()).add(row.id)
-            if launch.stands_for is not None and not launch.retry:
-                self._record_stand_in(app.name, launch, row)
+            if stand_in:
+                self._note_stand_in(app.name, launch, row)
         crash_point("reconcile.after_row")
         rows = self._refused_now(app, rows, set(known), errors, unstopped_usd_per_hr)
         unsaid = self._unsaid(app.name, [row for launch, row in rows if launch.retry])
@@ -3992,27 +4000,14 @@ class Reconciler:
         )
         errors.guard(lambda: self.store.transition_instance(row.id, _S.FAILED.value, reason=reason))
 
-    def _record_stand_in(self, app: str, launch: Launch, row: InstanceRecord) -> None:
-        """Rule 11's decision: what launches for a type the provider is short of, and why."""
+    def _note_stand_in(self, app: str, launch: Launch, row: InstanceRecord) -> None:
+        """Rule 11's stand-in, as this process keeps it (its decision, :func:`_stand_in_said`,
+        is what a process started again reads)."""
         stands_for = launch.stands_for or launch.instance_type
         if stands_for != launch.instance_type:
             self._stand_ins.setdefault(app, {})[row.id] = stands_for
             if launch.share < 1.0:
                 self._stand_in_shares.setdefault(app, {})[row.id] = launch.share
-        self.store.record_decision(
-            app,
-            "stand_in",
-            f"{launch.instance_type} ({launch.market}) launched for {stands_for}: {launch.reason}",
-            {
-                "instance_id": row.id,
-                "request_id": launch.request_id,
-                "instance_type": launch.instance_type,
-                "stands_for": stands_for,
-                "share": launch.share,
-                "market": launch.market,
-                "price_usd_per_hr": launch.price_usd_per_hr,
-            },
-        )
 
     def _launch_failed(
         self,
@@ -4161,6 +4156,26 @@ class Reconciler:
         for event in events:
             level = logging.INFO if event.kind == "info" else logging.WARNING
             logger.log(level, "provider %s event: %s", event.kind, event.message)
+
+
+def _stand_in_said(launch: Launch, row: InstanceRecord) -> Words:
+    """Rule 11's decision: what launches for a type the provider is short of, and why."""
+    stands_for = launch.stands_for or launch.instance_type
+    return [
+        (
+            "stand_in",
+            f"{launch.instance_type} ({launch.market}) launched for {stands_for}: {launch.reason}",
+            {
+                "instance_id": row.id,
+                "request_id": launch.request_id,
+                "instance_type": launch.instance_type,
+                "stands_for": stands_for,
+                "share": launch.share,
+                "market": launch.market,
+                "price_usd_per_hr": launch.price_usd_per_hr,
+            },
+        )
+    ]
 
 
 class _Errors(list[str]):

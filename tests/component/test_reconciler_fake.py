@@ -986,6 +986,26 @@ def test_tagged_instances_unknown_to_the_database_are_recorded_and_terminated(
     assert stranger not in world.fake.calls  # never terminated: still running, unlisted
 
 
+def test_an_orphan_whose_row_was_not_written_is_not_said_either(world: World) -> None:
+    """The process dies recording an orphan's row (here the write of its row fails): its
+    ``orphan`` decision is not kept either, and the reconciler started again records it and
+    says it once. The decision used to be written first, in a transaction of its own: the
+    reconciler started again found the orphan again and said it twice."""
+    apply_fleet(world.store, {})
+    stray = world.fake.launch(LaunchRequest("someone-1", SMALL, 1, {APP_TAG: APP}))[0]
+    with instance_move_fails(stray.provider_id) as failing:
+        with pytest.raises(RuntimeError, match="died writing the instance_events row"):
+            world.tick()
+        assert failing == []
+    assert decisions(world.store, "orphan") == []
+    world.restart()
+    world.tick()
+    (orphan,) = decisions(world.store, "orphan")
+    assert orphan.numbers["provider_id"] == stray.provider_id
+    recorded = world.store.find_instance(provider_id=stray.provider_id)
+    assert recorded is not None and recorded.state == "terminating"
+
+
 def test_a_plan_the_provisioner_cannot_launch_is_one_decision(world: World) -> None:
     world.reconciler.launchable = lambda t: (
         None if t.startswith("emu.") else "the local provisioner emulates only emu.* types"

@@ -37,6 +37,7 @@ from tests.component.test_reconciler_fake import (
     spec,
     template_db,
 )
+from tests.dying_writes import decision_write_fails
 
 __all__ = ["template_db"]  # the fixture, imported for pytest
 
@@ -371,6 +372,34 @@ def test_a_type_without_capacity_is_stood_in_for_by_the_next_of_the_ranking(
     assert len(short_of_small.rows("running")) == 2
 
     # A reconciler started afresh (a restart) reads the stand-ins back from the decisions.
+    assert_a_restart_changes_nothing(short_of_small)
+
+
+def test_a_stand_in_whose_decision_was_not_written_is_not_recorded_either(
+    short_of_small: World,
+) -> None:
+    """The write of a stand-in's decision fails (the process dies there): its row is not kept
+    either, and the reconciler started again stands in for small, each said once. The decision,
+    what a reconciler started again reads the stand-ins back from, was written after the row,
+    in a transaction of its own: the row was kept and never said, not known as a stand-in (the
+    reconciler started again ended it unlaunched and tried small again first)."""
+    assert launches(short_of_small.tick()) == [(SMALL, "spot", None)] * 2  # no capacity
+    with decision_write_fails("launched for emu.cpu.small") as failing:
+        with pytest.raises(RuntimeError, match="died writing the decision"):
+            short_of_small.tick()
+        assert failing == []
+    assert short_of_small.store.list_instances(APP, states=["requested"]) == []
+    short_of_small.reconciler = Reconciler(
+        short_of_small.store,
+        short_of_small.fake,
+        short_of_small.clock,
+        short_of_small.reconciler.pricing,
+    )
+    for _ in range(4):
+        short_of_small.tick()
+    assert kept_types(short_of_small) == [(LARGE, "spot"), (LARGE, "spot")]
+    decisions = short_of_small.store.list_decisions(APP, kinds=["stand_in"])
+    assert [d.numbers["stands_for"] for d in decisions] == [SMALL, SMALL]
     assert_a_restart_changes_nothing(short_of_small)
 
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -72,11 +72,14 @@ class InstanceStore(StoreBase):
         reason: str = "launch requested",
         at: datetime | None = None,
         market: str = "on-demand",
+        said: Callable[[InstanceRecord], Words] | None = None,
     ) -> InstanceRecord:
         """Record an instance we launch (or adopt) under the idempotency key ``request_id``: the
         same request id again returns the instance recorded the first time, never a second one
         (:class:`ConflictError` if that was for another app or type). ``market``: ``on-demand``
-        or ``spot``."""
+        or ``spot``. ``said``: the decisions that say the row (of the row as recorded), written
+        in its transaction (a stand-in's, which a reconciler started again reads back: a crash
+        between the two left the row counted as its own type); none for a row found."""
         if market not in MARKETS:
             raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         request_id = _label(request_id, "request_id")
@@ -118,7 +121,10 @@ class InstanceStore(StoreBase):
                             reason=reason,
                         )
                     )
-                    return _instance_record(instance, app)
+                    recorded = _instance_record(instance, app)
+                    for kind, text, numbers in said(recorded) if said is not None else ():
+                        add_decision(session, row.id, kind, text, numbers, now)
+                    return recorded
             except IntegrityError:
                 if self._instance_by_request(request_id) is None:
                     raise ConflictError(
