@@ -3490,12 +3490,17 @@ class Reconciler:
                 )
             )
         elif isinstance(action, Adopt):
-            store.record_decision(
-                app.name,
-                "adopt",
-                f"adopted {action.provider_id} into request {action.request_id}: {action.reason}",
-                {"instance_id": action.instance_id, "provider_id": action.provider_id},
-            )
+            # The move and the decision in one transaction: the decision written first, a crash
+            # before the move had the reconciler started again adopt the machine again and say
+            # it twice.
+            said: Words = [
+                (
+                    "adopt",
+                    f"adopted {action.provider_id} into request {action.request_id}:"
+                    f" {action.reason}",
+                    {"instance_id": action.instance_id, "provider_id": action.provider_id},
+                )
+            ]
             price = action.on_demand_usd_per_hr
             billed: dict[str, Any] = (
                 {} if price is None else {"market": "on-demand", "price_usd_per_hr": price}
@@ -3506,6 +3511,7 @@ class Reconciler:
                     _S.PENDING.value,
                     reason=f"adopted: {action.reason}",
                     provider_id=action.provider_id,
+                    said=said,
                     **billed,
                 )
             )

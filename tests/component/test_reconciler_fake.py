@@ -289,6 +289,28 @@ def test_a_crash_between_launch_and_record_is_adopted_not_launched_again(world: 
     assert by_state(world.store) == {"running": 2}
 
 
+def test_an_adoption_whose_row_did_not_move_is_not_said_either(world: World) -> None:
+    """The process dies moving the row of a machine it adopts (here the write of the move
+    fails): the ``adopt`` decision is not kept either, and the reconciler started again adopts
+    it and says it once. The decision used to be written first, in a transaction of its own:
+    the reconciler started again adopted the machine again and said it twice."""
+    apply_fleet(world.store, {LARGE: 2})
+    world.spy.crash_after_launch = True
+    with pytest.raises(CrashError):
+        world.tick()
+    world.restart()
+    with instance_move_fails("adopted:") as failing:
+        with pytest.raises(RuntimeError, match="died writing the instance_events row"):
+            world.tick()
+        assert failing == []
+    assert decisions(world.store, "adopt") == []
+    world.restart()
+    world.tick()
+    (adopted,) = decisions(world.store, "adopt")
+    assert adopted.numbers["provider_id"] == world.fake.list({})[0].provider_id
+    assert world.fake.launched_total == 2
+
+
 # --- the budget ------------------------------------------------------------------------------
 
 

@@ -279,11 +279,13 @@ class InstanceStore(StoreBase):
         at: datetime | None = None,
         market: str | None = None,
         price_usd_per_hr: float | None = None,
+        said: Words = (),
     ) -> InstanceRecord:
         """Move the instance to ``to_state`` (and set its provider id, its market and price,
         when given: a launch the provider billed otherwise than asked), with an
         ``instance_events`` row. :class:`InvalidTransitionError` when the lifecycle table does
-        not allow the move from the state it is in."""
+        not allow the move from the state it is in. ``said``: the decisions of its app that say
+        the move (an adoption), written in its transaction."""
         if market is not None and market not in MARKETS:
             raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         price = None if price_usd_per_hr is None else _number(price_usd_per_hr, "price_usd_per_hr")
@@ -319,6 +321,8 @@ class InstanceStore(StoreBase):
                         )
                     )
                     session.refresh(instance)
+                    for kind, text, numbers in said:
+                        add_decision(session, instance.app_id, kind, text, numbers, now)
                     return _instance_record(instance, app)
             except _LostRaceError:
                 continue
