@@ -2973,6 +2973,7 @@ class Reconciler:
             self._stand_in_shares,
             self._held_back,
             self._missing_since,
+            self._said_rows,
         ]
         for keyed in by_type:
             for key in [k for k in keyed if k[0] not in names]:

@@ -700,6 +700,7 @@ _MEMORIES = (
     "_capacity_missed_last_s",
     "_stand_ins",
     "_stand_in_shares",
+    "_said_rows",
 )
 
 
@@ -724,6 +725,7 @@ def test_a_deleted_app_leaves_nothing_in_the_reconcilers_memories(
     reconciler._spot_replacements[APP] = {some_row}
     reconciler._deferrals[(APP, "budget")] = (short_of_small.clock.utcnow(), reconciler._passes)
     reconciler._stand_in_shares[APP] = {some_row: 0.5}
+    reconciler._said_rows[APP] = {some_row}
     for name in _MEMORIES:
         assert getattr(reconciler, name), name
 
