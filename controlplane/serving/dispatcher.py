@@ -576,13 +576,14 @@ class AppDispatcher:
             self.gear_label = gear.cascade.label
             if self.placement.stale(self.config, gear):  # a cascade's shares follow the gear
                 self._place()
+        chosen = cascade
         if cascade is None:
             cascade = gear.cascade
         n = len(inputs)
         try:
             self._check_serving(cascade)
             if self.settings.admission:
-                self._admit(gear, n)
+                self._admit(gear, n, chosen=chosen)
         except ServingError as error:
             self._ended_at_entry(error, now, arrival_s)
             raise
@@ -660,17 +661,30 @@ class AppDispatcher:
                 why = "no running worker" if not workers else "no healthy worker serves it"
                 raise NoServingInstanceError(self.app, model, why)
 
-    def _admit(self, gear: ServingGear, samples: int, *, by_every_gear: bool = False) -> None:
+    def _admit(
+        self,
+        gear: ServingGear,
+        samples: int,
+        *,
+        by_every_gear: bool = False,
+        chosen: Cascade | None = None,
+    ) -> None:
         """Admission for a query of ``samples`` samples under ``gear`` (raises the
         :class:`~controlplane.errors.OverloadedError` that refuses it), judged under the gear of
         least predicted latency among the candidates; ``by_every_gear``: refused only when every
-        candidate refuses (:meth:`refuse_early`)."""
+        candidate refuses (:meth:`refuse_early`). ``chosen``: the cascade a model-less query's
+        variant choice gave it, the only one it runs under, so the only one judged (judged
+        under the gear's candidates, a query for the large model alone was refused at the
+        tiny model's queue, and its refusal marked tiny overloaded)."""
         queued = sum(s.queued_samples for s in self._stages.values())
         if queued + samples > self.settings.max_queued_samples:
             raise OverloadedError(self.app, math.inf, self.config.slo_ms, 1)
-        candidates = [gear.cascade, self.config.cascade]
-        if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
-            candidates.append(gear.cheapest)
+        if chosen is not None:
+            candidates = [chosen]
+        else:
+            candidates = [gear.cascade, self.config.cascade]
+            if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
+                candidates.append(gear.cheapest)
         now = self.clock_s()
         loads = {c: self.variants.loads(c, samples, gear, now) for c in dict.fromkeys(candidates)}
         cascade, best = min(loads.items(), key=lambda item: predicted_latency_ms(item[1]))

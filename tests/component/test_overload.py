@@ -40,6 +40,7 @@ from estimator.fleet import Fleet
 from tests.component.test_oip_routes import family_request, live_server
 from tests.component.test_serving import (
     LARGE,
+    SMALL,
     ApiWorld,
     config,
     endpoints,
@@ -536,6 +537,44 @@ def test_a_model_less_query_whose_variant_is_backlogged_goes_to_its_queue_not_a_
         worker.release()
         answers = await settle([first, *queued, answer])
         assert all(isinstance(a, InferResult) for a in answers), answers
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_a_model_less_query_is_admitted_at_its_variants_queue_not_the_gears() -> None:
+    """Admission judged a model-less query under the gear's cascades, whatever variant it was
+    given: a query for the large model alone was refused (429) at the tiny model's full queue,
+    and its refusal marked tiny overloaded (the INFaaS scaler then replicated tiny, at 0 qps of
+    its own, and drained it 25 s later, again and again, live). It is judged at the queue of
+    the variant it runs under."""
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE])
+        workers[0].holding = True  # tiny's worker answers nothing until released
+        plan = {
+            "tiny": StagePlan("tiny", Fleet.of({SMALL: 1}), 1),
+            "large": StagePlan("large", Fleet.of({LARGE: 1}), 1),
+        }
+        dispatcher = AppDispatcher(
+            config(stage_plans=plan, slo_ms=20.0),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=True),
+        )
+        dispatcher.set_workers(endpoints(workers))
+        queued: list[asyncio.Future[InferResult]] = []
+        with pytest.raises(OverloadedError):  # tiny's queue fills to what the SLO drains
+            for _ in range(100):
+                queued.append(dispatcher.submit([row(1, 0.9)]))
+        (tiny, large) = dispatcher.status().stages
+        assert tiny.queued_samples > 0 and large.queued_samples == 0
+        needs = Requirements("demo", latency_ms=10.0)
+        assert dispatcher.choose_variant(needs, 1).models == ("large",)
+        answer = await dispatcher.infer([row(5, 0.9)], requirements=needs)
+        assert answer.models == ("large",)
+        workers[0].release()
+        await settle(queued)
         await dispatcher.close()
 
     run(scenario())
