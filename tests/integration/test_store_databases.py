@@ -18,6 +18,7 @@ import pytest
 from controlplane.db import migrate
 from controlplane.db.store import Store
 from controlplane.errors import ConflictError
+from controlplane.policies.lifecycle import check_transition
 
 _T = TypeVar("_T")
 THREADS = 8
@@ -150,6 +151,57 @@ def test_concurrent_transitions_of_one_instance(store: Store) -> None:
         "requested",
         "pending",
     ]
+
+
+def test_a_row_moved_meanwhile_is_moved_with_the_others_and_their_decision(
+    store: Store, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transition_instances (a terminate's rows and its decision in one transaction): a row
+    another writer moves between its read and its write (``app down`` drains it) is read again
+    and moved from where it is, as transition_instance retries it, not left where the other put
+    it with its machine terminated. Only PostgreSQL lets the other writer in (SQLite's writers
+    take the database's lock at their start)."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("SQLite serialises the writers: no write comes between a read and a write")
+    store.create_app(spec(), who="alice")
+    row = store.record_instance(
+        "recs", request_id="r", instance_type="g4dn.xlarge", price_usd_per_hr=0.5
+    )
+    for state in ("pending", "running"):
+        store.transition_instance(row.id, state, reason="up")
+    drains: list[str] = []
+    errors: list[BaseException] = []
+
+    def drained_meanwhile(from_state: str, to_state: str) -> None:
+        check_transition(from_state, to_state)
+        if to_state == "terminating" and not drains:
+            # Another connection commits its move between this read and its write.
+            drains.append(from_state)
+            thread = threading.Thread(
+                target=_noted,
+                args=(lambda: store.transition_instance(row.id, "draining", reason="x"), errors),
+            )
+            thread.start()
+            thread.join(timeout=30)
+
+    monkeypatch.setattr("controlplane.db.store.instances.check_transition", drained_meanwhile)
+    moved, failed = store.transition_instances(
+        "recs", [row.id], "terminating", reason="scale down", said=[("terminate", "go", {})]
+    )
+    assert drains == ["running"] and errors == []
+    assert failed == []
+    assert [r.state for r in moved] == ["terminating"]
+    assert [r.state for r in store.list_instances("recs")] == ["terminating"]
+    moves = {(e.from_state, e.to_state) for e in store.list_instance_events(instance_id=row.id)}
+    assert {("running", "draining"), ("draining", "terminating")} <= moves
+    assert [d.kind for d in store.list_decisions("recs")] == ["terminate"]
+
+
+def _noted(call: Callable[[], object], errors: list[BaseException]) -> None:
+    try:
+        call()
+    except BaseException as error:
+        errors.append(error)
 
 
 def test_concurrent_registrations_of_one_name(store: Store) -> None:

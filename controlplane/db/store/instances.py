@@ -10,6 +10,7 @@ from typing import Any, cast
 
 from sqlalchemy import CursorResult, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from controlplane.db import models as m
 from controlplane.db.session import transaction
@@ -52,6 +53,42 @@ def _starting(prefix: str) -> str:
     'a\\\\_b\\\\%%'
     """
     return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _move_row(
+    session: Session, instance_id: str, to_state: str, reason: str, now: datetime
+) -> InstanceRecord:
+    """:meth:`InstanceStore.transition_instances`' move of one row in ``session``'s transaction.
+    A row another writer moved between its read and its write (PostgreSQL lets one in: a
+    drain by ``app down``) is read again and moved from where it is now, as
+    :meth:`InstanceStore.transition_instance` retries it (left where the other writer put it,
+    a terminate's row stayed draining with its machine ended)."""
+    for _ in range(_ATTEMPTS):
+        instance, name = _instance_row(session, instance_id)
+        from_state = instance.state
+        check_transition(from_state, to_state)
+        result = session.execute(
+            update(m.Instance)
+            .where(m.Instance.id == instance_id, m.Instance.state == from_state)
+            .values(state=to_state, updated_at=now)
+            .execution_options(synchronize_session=False)
+        )
+        if cast(CursorResult[Any], result).rowcount != 1:  # moved since it was read
+            session.expire(instance)  # read again: what the other writer committed
+            continue
+        session.add(
+            m.InstanceEvent(
+                instance_id=instance_id,
+                from_state=from_state,
+                to_state=to_state,
+                at=now,
+                reason=reason,
+            )
+        )
+        session.flush()
+        session.refresh(instance)
+        return _instance_record(instance, name)
+    raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
 
 
 class InstanceStore(StoreBase):
@@ -346,10 +383,11 @@ class InstanceStore(StoreBase):
         """Move ``app``'s instances ``instance_ids`` to ``to_state`` as :meth:`transition_instance`
         does, and write the decisions ``said`` of the app, in one transaction: the moves and the
         words that say them, all or none (a terminate said and its rows not yet moved was said
-        again by the reconciler started again). A row that may not move (ended meanwhile:
-        :class:`InvalidTransitionError`; or by another writer since it was read:
-        :class:`ConflictError`) or is gone (:class:`NotFoundError`) stays as it is: the moved
-        rows, and the errors of those."""
+        again by the reconciler started again). A row another writer moves meanwhile is read
+        again and moved from where it is now; one that may not move (ended meanwhile:
+        :class:`InvalidTransitionError`; still moving after as many reads as
+        :meth:`transition_instance` makes: :class:`ConflictError`) or is gone
+        (:class:`NotFoundError`) stays as it is: the moved rows, and the errors of those."""
         now = self._now(at)
         moved: list[InstanceRecord] = []
         failed: list[ControlPlaneError] = []
@@ -357,33 +395,9 @@ class InstanceStore(StoreBase):
             app_id = _app_row(session, app).id
             for instance_id in instance_ids:
                 try:
-                    instance, name = _instance_row(session, instance_id)
-                    from_state = instance.state
-                    check_transition(from_state, to_state)
+                    moved.append(_move_row(session, instance_id, to_state, reason, now))
                 except ControlPlaneError as error:
                     failed.append(error)
-                    continue
-                result = session.execute(
-                    update(m.Instance)
-                    .where(m.Instance.id == instance_id, m.Instance.state == from_state)
-                    .values(state=to_state, updated_at=now)
-                    .execution_options(synchronize_session=False)
-                )
-                if cast(CursorResult[Any], result).rowcount != 1:  # moved since it was read
-                    failed.append(ConflictError(f"instance {instance_id!r} changed meanwhile"))
-                    continue
-                session.add(
-                    m.InstanceEvent(
-                        instance_id=instance_id,
-                        from_state=from_state,
-                        to_state=to_state,
-                        at=now,
-                        reason=reason,
-                    )
-                )
-                session.flush()
-                session.refresh(instance)
-                moved.append(_instance_record(instance, name))
             for kind, text, numbers in said:
                 add_decision(session, app_id, kind, text, numbers, now)
         return moved, failed
