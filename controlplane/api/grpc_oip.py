@@ -126,6 +126,7 @@ __all__ = [
     "Listener",
     "answer_bytes_at_least",
     "attach",
+    "cut_by_deadline",
     "forwarded_response",
     "grpc_code",
     "request_document",
@@ -139,7 +140,8 @@ STOP_GRACE_S = 5.0
 # A call cancelled this close to its deadline, s, was cut by it: the client's cancel at its
 # deadline reaches the server a trip after the client's deadline, and the server's deadline is
 # a trip after it too (the grpc-timeout header's), so it comes a trip's jitter before or after
-# the server's (5 ms before it on a loaded test machine).
+# the server's (5 ms before it on a loaded test machine). At most half the call's deadline
+# (:func:`cut_by_deadline`).
 DEADLINE_SLACK_S = 1.0
 
 _CODES = {
@@ -537,6 +539,19 @@ def _model_of(request: Any) -> str:
     return str(getattr(request, "model_name", "") or getattr(request, "name", ""))
 
 
+def cut_by_deadline(remaining_s: float | None, deadline_s: float | None) -> bool:
+    """Whether a call cancelled with ``remaining_s`` of its deadline left (None: it has none)
+    was cut by its deadline (its client's cancel at the deadline, or the server's own timer),
+    ``deadline_s`` being what its deadline left when it arrived: within
+    :data:`DEADLINE_SLACK_S` of it, and within half of the call's deadline, so that a call its
+    client cancelled sooner is not counted (with the slack alone, every cancel of a call of a
+    deadline under 1 s counted as a 504)."""
+    if remaining_s is None:
+        return False
+    slack = DEADLINE_SLACK_S if deadline_s is None else min(DEADLINE_SLACK_S, deadline_s / 2)
+    return remaining_s <= slack
+
+
 def _parse(request_type: Any, payload: bytes) -> Any:
     """A call's request message from its bytes; :class:`OipError` (400: ``INVALID_ARGUMENT``)
     when they are not one (protobuf's message says where, on one line)."""
@@ -595,8 +610,9 @@ def _handlers(service: GrpcOip) -> Any:
                 # deadline (the same instant, read later) refuses the query: REST's 504,
                 # counted as REST counts it. A call its client cancelled sooner is not
                 # counted, as a REST client gone is not (no answer).
-                remaining = context.time_remaining()
-                if name not in _OPEN and remaining is not None and remaining <= DEADLINE_SLACK_S:
+                if name not in _OPEN and cut_by_deadline(
+                    context.time_remaining(), call.remaining_s
+                ):
                     model = "" if request is None else _model_of(request)
                     service.services.requests.add(model, 504)
                 raise

@@ -386,3 +386,17 @@ def test_an_answer_of_unknown_size_is_measured_before_it_is_sent(
     assert refused.value.status == 413 and len(sent) == 1
     assert "past gRPC's message limit of 10,000 bytes" in str(refused.value)
     assert len(_infer(2, ("z",), 100_000).raw_output_contents[0]) == 40_000
+
+
+def test_a_call_its_client_cancelled_sooner_is_not_counted_as_cut_by_its_deadline() -> None:
+    """The 504 of a call grpc cancelled (``cut_by_deadline``): a cancel about at the deadline
+    (a trip's jitter either side) is the deadline's; one of a call under 1 s that its client
+    cancelled well before it is not (the slack of 1 s alone counted each as a 504); without a
+    deadline, none is."""
+    assert grpc_oip.cut_by_deadline(0.005, 1.0)
+    assert grpc_oip.cut_by_deadline(-0.003, 0.2)
+    assert grpc_oip.cut_by_deadline(0.9, 30.0)
+    assert not grpc_oip.cut_by_deadline(0.7, 0.8)  # cancelled 0.1 s into a 0.8 s deadline
+    assert not grpc_oip.cut_by_deadline(0.15, 0.2)
+    assert not grpc_oip.cut_by_deadline(5.0, 30.0)
+    assert not grpc_oip.cut_by_deadline(None, None)
