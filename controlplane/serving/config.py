@@ -61,6 +61,9 @@ class AppConfig:
     # The SLO less the control plane's own measured time per query: what the planner judges a
     # stage's dispatch (its Kairos base types) against; None: ``slo_ms`` (nothing measured).
     stage_slo_ms: float | None = None
+    # The SLO's percentile: 1 - it is the share of queries the SLO lets it miss, which the
+    # overload verdict allows admission's refusals (controlplane.serving.states).
+    slo_percentile: float = 99.0
 
     @property
     def dispatch_slo_ms(self) -> float:

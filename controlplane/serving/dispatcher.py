@@ -1451,6 +1451,7 @@ class AppDispatcher:
                 stage.queued_samples + stage.in_service_samples,
                 capacity,
                 self.config.slo_ms,
+                refused_share_allowed=1.0 - self.config.slo_percentile / 100.0,
             )
             overloaded = overload.overloaded
             states = {

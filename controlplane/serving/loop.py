@@ -151,6 +151,7 @@ def load_config(store: Store, resolver: AppResolver, app: str) -> AppConfig:
         **placement_inputs(resolved, plan.plan if plan is not None else None, models),
         name=app,
         slo_ms=float(spec.slo.latency_ms),
+        slo_percentile=float(spec.slo.percentile),
         stage_slo_ms=float(resolved.constraints.stage_slo_ms),
         models=models,
         cascade=cascade,

@@ -25,6 +25,7 @@ __all__ = ["status_from_json", "status_to_json", "window_from_json", "window_to_
 
 # A stage's fields: one a newer serving process sends that this release does not know is left out.
 _STAGE_FIELDS = frozenset(f.name for f in dataclasses.fields(StageStatus))
+_OVERLOAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Overload))
 
 
 def status_to_json(status: AppStatus) -> dict[str, Any]:
@@ -43,7 +44,11 @@ def status_from_json(found: dict[str, Any]) -> AppStatus:
                 **{
                     **{k: v for k, v in stage.items() if k in known},
                     "states": {k: cast(ModelState, v) for k, v in stage["states"].items()},
-                    "overload": Overload(**overload) if overload is not None else None,
+                    "overload": (
+                        Overload(**{k: v for k, v in overload.items() if k in _OVERLOAD_FIELDS})
+                        if overload is not None
+                        else None
+                    ),
                 }
             )
         )

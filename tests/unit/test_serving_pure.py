@@ -851,3 +851,30 @@ def test_a_worker_back_once_its_agent_is_no_longer_busy_is_not_slow() -> None:
     clock[0] = worker.retry_at_s
     assert asyncio.run(health.recover([worker], workers, 0.5)) == [worker]
     assert worker.slow
+
+
+def test_refusals_within_the_share_the_slo_allows_are_no_overload() -> None:
+    """Any refusal in the window marked a model overloaded: at 11 qps on two instances of 10
+    (Poisson, 59% busy) admission refused a query now and then (2 of 4,677 in 7 min), and the
+    INFaaS scaler replicated the model on each, to drain it again. Refusals count once they are
+    more than the share of the window's samples the SLO lets it miss (1% for a P99)."""
+    tracker = StateTracker(window_s=10.0)
+    for i in range(110):  # 11 samples/s for 10 s on a model serving 20
+        tracker.arrived("large", 100.0 + i / 11.0, 1)
+    tracker.refused("large", 109.5, samples=1, capacity_sps=20.0)
+    noise = tracker.overload("large", 110.0, 0, 20.0, 300.0, refused_share_allowed=0.01)
+    assert (noise.refused, noise.refused_samples, noise.arrived_samples) == (1, 1.0, 111.0)
+    assert not noise.overloaded and noise.reasons() == []
+    # Without an allowance (a P100 SLO, or a sender that does not say), as before: overloaded.
+    assert tracker.overload("large", 110.0, 0, 20.0, 300.0).overloaded
+    for t in (109.6, 109.7):
+        tracker.refused("large", t, samples=1, capacity_sps=20.0)
+    short = tracker.overload("large", 110.0, 0, 20.0, 300.0, refused_share_allowed=0.01)
+    assert short.overloaded  # 3 of 113 samples: 2.65% > 1%
+    assert short.reasons() == [
+        "3 queries refused (429) in the last 10 s, 2.65% of the samples that arrived > the"
+        " 1.00% the SLO allows"
+    ]
+    assert short.numbers()["refused_samples"] == 3.0
+    # At a larger capacity (an instance joined) the refusals judged at the smaller say nothing.
+    assert not tracker.overload("large", 110.0, 0, 30.0, 300.0, 0.01).overloaded
