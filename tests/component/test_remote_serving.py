@@ -176,7 +176,7 @@ def test_a_status_crosses_the_wire_whole() -> None:
         {"i-1": "active"},
         {"i-1": 1.0},
         0.4,
-        Overload(12.0, 100.0, 2, 40.0, 50.0, 5.0),
+        Overload(12.0, 100.0, 2, 40.0, 50.0, 5.0, refused_samples=2.0, arrived_samples=80.0),
         reach=0.35,
         reach_samples=812,
     )
@@ -186,6 +186,7 @@ def test_a_status_crosses_the_wire_whole() -> None:
     # A field a newer serving process adds is left out, not a TypeError every exchange.
     sent = status_to_json(status)
     sent["stages"][0]["a_later_field"] = 1
+    sent["stages"][0]["overload"]["a_later_overload_field"] = 1.0  # and in its overload
     assert status_from_json(sent) == status
 
 
