@@ -659,6 +659,44 @@ def test_a_drain_waits_for_the_reconcilers_deferral_not_for_what_serves_beside_t
     drains_to_three(tmp_path, beside=True)
 
 
+def ticked(
+    clock: FakeClock,
+    store: Store,
+    resolver: AppResolver,
+    plan_id: int,
+    statuses: Callable[[], list[Any]],
+    *,
+    qps: int,
+    ticks: int = 60,
+) -> None:
+    """The scaler (``statuses`` its serving status, ``qps`` its measured arrivals), the
+    reconciler and a fake provisioner over the app planned ``plan_id`` on one LARGE instance:
+    that instance started, then ``ticks`` scaler ticks 2 s apart, each reconciled."""
+    from controlplane.loops.infaas_scaler import _AppScaler
+    from controlplane.policies.infaas_scaling import initial_state
+
+    def arrivals(_app: str) -> np.ndarray:
+        return np.linspace(clock.now_s() - 1.999, clock.now_s(), 2 * qps)
+
+    scaler = InfaasScaler(
+        store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
+    )
+    tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
+    provisioner = FakeProvisioner(running_on_launch=True)
+    reconciler = build_reconciler(store, clock, provisioner, resolver, scaled_fleet(tuner, scaler))
+    scaler.held_back = reconciler.held_back
+    scaler._apps[APP] = _AppScaler(plan_id, 0.25, initial_state({LARGE: 1}, clock.now_s()))
+    for _ in range(3):
+        reconciler.run_once()
+        provisioner.step()
+    assert len(store.list_instances(APP, states=["running"])) == 1
+    for _ in range(ticks):
+        clock.advance(2.0)
+        scaler.tick()
+        reconciler.run_once()
+        provisioner.step()
+
+
 def test_a_model_skewed_load_is_read_where_it_arrives_and_replicated_once(
     tmp_path: Path,
 ) -> None:
@@ -669,8 +707,6 @@ def test_a_model_skewed_load_is_read_where_it_arrives_and_replicated_once(
     bought it back: replicate and drain took turns, every hold (seen live on the demo's `large`,
     0.19 qps read where 11.4 arrived). The scaler reads the 90 samples/s that tiny's queue
     receives (the serving loop's measured arrivals): one replicate, then two instances."""
-    from controlplane.loops.infaas_scaler import _AppScaler
-    from controlplane.policies.infaas_scaling import initial_state
     from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
     from controlplane.serving.states import Overload
 
@@ -703,28 +739,7 @@ def test_a_model_skewed_load_is_read_where_it_arrives_and_replicated_once(
             )
             return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
 
-        def arrivals(_app: str) -> np.ndarray:
-            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 180)  # 90 qps
-
-        scaler = InfaasScaler(
-            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
-        )
-        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
-        provisioner = FakeProvisioner(running_on_launch=True)
-        reconciler = build_reconciler(
-            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
-        )
-        scaler.held_back = reconciler.held_back
-        scaler._apps[APP] = _AppScaler(plan.id, 0.25, initial_state({LARGE: 1}, clock.now_s()))
-        for _ in range(3):
-            reconciler.run_once()
-            provisioner.step()
-        assert len(store.list_instances(APP, states=["running"])) == 1
-        for _ in range(60):
-            clock.advance(2.0)
-            scaler.tick()
-            reconciler.run_once()
-            provisioner.step()
+        ticked(clock, store, resolver, plan.id, statuses, qps=90)
         scaled = [k for k in kinds(store) if k.startswith("infaas_")]
         assert scaled == ["infaas_replicate"], scaled
         (replicate,) = store.list_decisions(APP, kinds=["infaas_replicate"])
@@ -739,8 +754,6 @@ def test_a_poisson_queues_momentary_backlog_spikes_buy_no_replica(tmp_path: Path
     moment marked the model overloaded and the scaler replicated on it (seen live on the demo's
     `large`: a drain and replicate every `short_memory_s`); the overload's backlog criterion
     holds over a monitoring period now, which a burst does not: no replicate, one instance."""
-    from controlplane.loops.infaas_scaler import _AppScaler
-    from controlplane.policies.infaas_scaling import initial_state
     from controlplane.serving.dispatcher import AppStatus, StageStatus, WorkerStatus
     from controlplane.serving.states import StateTracker, model_state
 
@@ -788,28 +801,7 @@ def test_a_poisson_queues_momentary_backlog_spikes_buy_no_replica(tmp_path: Path
             )
             return [AppStatus(APP, "", 100.0, workers, (stage,), 0)]
 
-        def arrivals(_app: str) -> np.ndarray:
-            return np.linspace(clock.now_s() - 1.999, clock.now_s(), 100)  # 50 qps
-
-        scaler = InfaasScaler(
-            store, clock, arrivals, statuses, stored_apps(resolver), config=ScalingConfig(hold_s=15)
-        )
-        tuner = LiveTuner(store, clock, lambda _app: np.empty(0), stored_apps(resolver))
-        provisioner = FakeProvisioner(running_on_launch=True)
-        reconciler = build_reconciler(
-            store, clock, provisioner, resolver, scaled_fleet(tuner, scaler)
-        )
-        scaler.held_back = reconciler.held_back
-        scaler._apps[APP] = _AppScaler(plan.id, 0.25, initial_state({LARGE: 1}, clock.now_s()))
-        for _ in range(3):
-            reconciler.run_once()
-            provisioner.step()
-        assert len(store.list_instances(APP, states=["running"])) == 1
-        for _ in range(60):
-            clock.advance(2.0)
-            scaler.tick()
-            reconciler.run_once()
-            provisioner.step()
+        ticked(clock, store, resolver, plan.id, statuses, qps=50)
         assert sim["reads"] >= 60
         assert [k for k in kinds(store) if k.startswith("infaas_")] == []
         assert len(store.list_instances(APP, states=["running"])) == 1
