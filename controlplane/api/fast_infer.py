@@ -36,8 +36,10 @@ dependencies, the token check in the thread pool) were most of ``/v2``'s CPU per
 **Admission's refusal** (429 ``overloaded``, :class:`~controlplane.errors.OverloadedError`) comes
 as early as it can be told (:meth:`~controlplane.serving.loop.ServingLoop.refuse_early`: would
 a query of one sample be refused now? Then this one is, whatever its size), before its body is
-read and decoded, on either route (admission does not depend on a query's body: a model-less
-query with INFaaS ``requirements`` is judged by the same rule as a plain one). It is
+read and decoded, on either route (judged under the gear's candidates: a model-less query with
+INFaaS ``requirements``, which admission judges at its variant's queues once its body is read,
+can be refused here at a queue its variant would not have used; docs/serving.md, "Admission
+control"). It is
 written here directly (:func:`send_overloaded`), the body and headers the route's handler gives
 it in either shape, without building a request object, a response and, on ``/v2``, the API's
 body decoded again into the protocol's: past saturation most answers are refusals, and each

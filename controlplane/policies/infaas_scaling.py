@@ -10,8 +10,9 @@ Vocabulary. A *variant* is a model of the app on an instance type (its batch cap
 dispatcher's); an *instance* is one machine of the app, and every instance serves every model
 of the app it is placed on. Each (model, instance) pair has the serving loop's INFaaS state
 (:mod:`controlplane.serving.states`): *active*, *overloaded* (the model cannot keep up with its
-load: within the state's window admission refused queries of it, or its arrivals reached its
-profiled capacity, or its queue takes longer than the SLO to drain) or *interfered* (measured
+load: within the state's window admission refused more of its samples than the SLO lets it miss,
+or its arrivals reached its profiled capacity, or its queue takes longer than the SLO to drain
+for a monitoring period) or *interfered* (measured
 service times over the profile); a variant no running instance serves is *inactive*, and costs
 its loading latency T_load (its type's start-up: every worker loads the whole family as it
 starts) before it serves. Q_v is what one instance of variant v serves (qps, from its profile),

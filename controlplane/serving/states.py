@@ -158,8 +158,9 @@ def is_overloaded(
 ) -> bool:
     """Whether a model cannot keep up with its load (the module docstring's three criteria):
     its backlog of ``queued_samples`` takes longer than ``slo_ms`` to drain at ``capacity_sps``
-    samples per second, or admission ``refused`` queries of it within the window, or its
-    arrivals (``arrival_sps``, admitted and refused) reach its capacity."""
+    samples per second, or admission ``refused`` queries of it within the window (any: the
+    share of refusals the SLO allows is :class:`Overload`'s, which the states are judged by), or
+    its arrivals (``arrival_sps``, admitted and refused) reach its capacity."""
     if backlog_ms(queued_samples, capacity_sps) > slo_ms:
         return True
     if refused > 0:
