@@ -311,6 +311,12 @@ _KEPT = KEPT_STATES
 _LIVE = LIVE_STATES
 # Which kept rows go first when a type has too many: not launched yet, booting, serving.
 _DROP_ORDER = {_S.REQUESTED: 0, _S.PENDING: 1, _S.RUNNING: 2}
+
+# The end of the reason recorded with the row of a launch in place of spot (rule 10's rise,
+# :attr:`Launch.replaces_spot`): a reconciler started again after a crash between the row and
+# its ``launch`` decision reads it there (:meth:`Reconciler._replaced_spot`).
+_REPLACES_SPOT_SAID = " (on demand in place of spot)"
+
 ORPHAN_REQUEST_PREFIX = "orphan:"
 # How long a tick goes on reading a row after it ended (older ended rows are read only where the
 # provider still lists their machine): an hour of a fleet's recent past.
@@ -1755,7 +1761,8 @@ def _launch_shortfall(
                 instance_type,
                 price,
                 f"{instance_type}: {have[instance_type]:g} kept, {desired[instance_type]} desired"
-                + (" (spot)" if on_spot else ""),
+                + (" (spot)" if on_spot else "")
+                + (_REPLACES_SPOT_SAID if moving and not on_spot else ""),
                 market="spot" if on_spot else "on-demand",
                 replaces_spot=moving and not on_spot,
             )
@@ -3758,6 +3765,7 @@ class Reconciler:
         rows = self._refused_now(app, rows, set(known), errors, unstopped_usd_per_hr)
         unsaid = self._unsaid(app.name, [row for launch, row in rows if launch.retry])
         new = [(launch, row) for launch, row in rows if not launch.retry or row.id in unsaid]
+        replaced_spot = self._replaced_spot(app.name, unsaid)
         if new:
             self.store.record_decision(
                 app.name,
@@ -3776,7 +3784,11 @@ class Reconciler:
                             "price_usd_per_hr": launch.price_usd_per_hr,
                             "market": launch.market,
                         }
-                        | ({"replaces_spot": True} if launch.replaces_spot else {})
+                        | (
+                            {"replaces_spot": True}
+                            if launch.replaces_spot or row.id in replaced_spot
+                            else {}
+                        )
                         for launch, row in new
                     ],
                     "budget_usd_per_hr": app.budget_usd_per_hr,
@@ -3879,6 +3891,22 @@ class Reconciler:
         else:
             self._said_rows.pop(app, None)
         return unsaid
+
+    def _replaced_spot(self, app: str, unsaid: Collection[str]) -> set[str]:
+        """Of the ``unsaid`` rows (:meth:`_unsaid`), those a rise launched on demand in place of
+        spot ones (:attr:`Launch.replaces_spot`), by the reason recorded with each row: noted in
+        ``_spot_replacements`` as the launch that recorded them would have, and said so."""
+        replaced = {
+            instance_id
+            for instance_id in unsaid
+            if any(
+                event.from_state is None and event.reason.endswith(_REPLACES_SPOT_SAID)
+                for event in self.store.list_instance_events(instance_id=instance_id)
+            )
+        }
+        if replaced:
+            self._spot_replacements.setdefault(app, set()).update(replaced)
+        return replaced
 
     def _refused_now(
         self,

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from controlplane.errors import DatabaseError
-from controlplane.loops.reconciler import AppPricing, Launch, Reconciler
+from controlplane.loops.reconciler import AppPricing, Launch, Reconciler, Terminate
 from controlplane.policies.lifecycle import billed_cost_usd_per_hr
 from tests.component.test_reconciler_fake import APP, LARGE, PRICES, QPS, SMALL, template_db
 from tests.component.test_spot_interruptions import (
@@ -25,6 +25,7 @@ from tests.component.test_spot_interruptions import (
     kept_types,
     launches,
 )
+from tests.dying_writes import decision_write_fails
 
 __all__ = ["template_db"]  # the fixture, imported for pytest
 
@@ -428,7 +429,7 @@ def _assert_the_move_back_goes_on(world: PricedWorld) -> None:
     three serve."""
     for _ in range(60):
         actions = world.tick()
-        ended = [a for a in actions if type(a).__name__ == "Terminate"]
+        ended = [a for a in actions if isinstance(a, Terminate)]
         assert not [a for a in ended if a.cause == "scale_down"], ended
         assert len(world.store.list_instances(APP, states=["running"])) >= 3
 
@@ -626,6 +627,49 @@ def test_a_price_that_swings_back_gives_the_rise_replacements_back_only_through_
         world.close()
 
 
+def test_a_rise_whose_launch_decision_a_crash_lost_gives_them_back_only_through_the_hold(
+    template_db: Path, tmp_path: Path
+) -> None:
+    # As above, but the process dies after the rise's on-demand rows and before their launch
+    # decision (reconcile.after_row). The reconciler started again launched them as retries and
+    # said them without replaces_spot: once the price swung back, it drained them as a surplus
+    # (scale_down) as soon as they served, before the hold, the spot ones kept.
+    world = _fall_world(template_db, tmp_path)
+    try:
+        world.reconciler.spot_return_hold_s = _HOLD_S
+        world.serve_three_small_on_spot()
+        world.spot_prices[SMALL] = 0.06
+        with decision_write_fails("launch 3 x emu.cpu.small") as failing:
+            with pytest.raises(RuntimeError, match="died writing"):
+                world.tick()
+            assert failing == []
+        _new_leader(world)
+        assert launches(world.tick()) == [(SMALL, "on-demand", None)] * 3  # launched again
+        said = world.store.list_decisions(APP, kinds=["launch"])[-1].numbers["launches"]
+        assert [x.get("replaces_spot") for x in said] == [True] * 3
+        world.spot_prices[SMALL] = 0.015
+        fell_at = world.clock.now_s()
+        while world.clock.now_s() - fell_at < _HOLD_S:
+            ended = [a for a in world.tick() if isinstance(a, Terminate)]
+            assert not [a for a in ended if a.cause == "scale_down"], ended
+            on_demand = [
+                r
+                for r in world.store.list_instances(APP)
+                if r.market == "on-demand" and r.instance_type == SMALL
+            ]
+            assert len(on_demand) == 3
+            assert all(r.state in ("pending", "running") for r in on_demand), on_demand
+        for _ in range(40):
+            world.tick()
+            assert len(world.store.list_instances(APP, states=["running"])) >= 3
+        assert world.kept() == [(SMALL, "spot")] * 3
+        for row in on_demand:  # drained by the move back, once the fall held
+            reasons = [e.reason for e in world.store.list_instance_events(instance_id=row.id)]
+            assert any(r.startswith("spot_return:") for r in reasons), reasons
+    finally:
+        world.close()
+
+
 def test_a_failed_read_after_a_restart_is_read_again(
     template_db: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -677,7 +721,7 @@ def test_stand_ins_of_another_type_go_back_to_spot_once_the_fall_holds(
         for _ in range(60):  # one at a time, as the disruption budget's window lets them go
             actions = world.tick()
             launched += launches(actions)
-            ended = [a for a in actions if type(a).__name__ == "Terminate"]
+            ended = [a for a in actions if isinstance(a, Terminate)]
             assert all(a.cause == "spot_return" for a in ended), ended
             assert len(world.store.list_instances(APP, states=["running"])) >= 3
             if launched and not restarted:  # a new leader reads the returning ones back
