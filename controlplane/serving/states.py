@@ -26,7 +26,8 @@ tracker of what they are judged on (measured latencies, arrivals, refusals):
      :func:`~controlplane.serving.admission.judged_positions`), judged at a capacity at least
      C: its queue could not serve the query within the SLO, and more of the window's samples
      refused than the SLO lets it miss (1 - its percentile: 1% for a P99; any refusal where
-     the caller gives no share). A refusal judged at a smaller capacity (before an instance
+     the caller gives no share; where the window's share is under one sample, one refusal
+     alone is not, two are). A refusal judged at a smaller capacity (before an instance
      joined) says nothing of the larger one and does not count. Any refusal counted until
      2026-12-07: a Poisson queue at 59% busy had a query refused now and then (6 of 4,677 in
      7 min), and the INFaaS scaler replicated the model on each;
@@ -201,7 +202,13 @@ class Overload:
             return False
         if self.refused_share_allowed <= 0:
             return True
-        return self.refused_samples > self.refused_share_allowed * self.arrived_samples
+        allowed = self.refused_share_allowed * self.arrived_samples
+        if self.refused_samples <= allowed:
+            return False
+        # A window the share allows less than one sample of (under 100 samples at a P99): one
+        # refusal is what the allowed rate gives now and then (a model under 10 samples/s was
+        # replicated on each); two say more.
+        return allowed >= 1.0 or self.refused >= 2
 
     @property
     def overloaded(self) -> bool:

@@ -878,3 +878,27 @@ def test_refusals_within_the_share_the_slo_allows_are_no_overload() -> None:
     assert short.numbers()["refused_samples"] == 3.0
     # At a larger capacity (an instance joined) the refusals judged at the smaller say nothing.
     assert not tracker.overload("large", 110.0, 0, 30.0, 300.0, 0.01).overloaded
+
+
+def test_one_refusal_in_a_window_the_share_allows_under_a_sample_is_no_overload() -> None:
+    """Under 100 samples a window (a model under 10 samples/s at a P99) one refusal was over
+    the 1% share, and the INFaaS scaler replicated the model on each such refusal; one refusal
+    there is what the allowed rate gives now and then, two are an overload."""
+    tracker = StateTracker(window_s=10.0)
+    for i in range(60):  # 6 samples/s for 10 s
+        tracker.arrived("large", 100.0 + i / 6.0, 1)
+    tracker.refused("large", 109.5, samples=1, capacity_sps=20.0)
+    one = tracker.overload("large", 110.0, 0, 20.0, 300.0, refused_share_allowed=0.01)
+    assert one.refused == 1 and not one.overloaded and one.reasons() == []
+    tracker.refused("large", 109.8, samples=1, capacity_sps=20.0)
+    two = tracker.overload("large", 110.0, 0, 20.0, 300.0, refused_share_allowed=0.01)
+    assert two.refused == 2 and two.overloaded
+    # With 300 samples a window the share allows three: the fourth refused sample is over it.
+    busy = StateTracker(window_s=10.0)
+    for i in range(300):
+        busy.arrived("large", 100.0 + i / 30.0, 1)
+    for t in (109.1, 109.2, 109.3):
+        busy.refused("large", t, samples=1, capacity_sps=40.0)
+    assert not busy.overload("large", 110.0, 0, 40.0, 300.0, 0.01).overloaded  # 3 of 303
+    busy.refused("large", 109.4, samples=1, capacity_sps=40.0)
+    assert busy.overload("large", 110.0, 0, 40.0, 300.0, 0.01).overloaded  # 4 of 304
