@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -55,6 +55,45 @@ def _starting(prefix: str) -> str:
     return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
+def _try_move(
+    session: Session,
+    instance_id: str,
+    to_state: str,
+    reason: str,
+    now: datetime,
+    values: Mapping[str, Any] | None = None,
+) -> tuple[m.Instance, str] | None:
+    """One try at moving the row ``instance_id`` to ``to_state`` (with ``values`` set too) and
+    recording the move's ``instance_events`` row, in ``session``'s transaction: the row and its
+    app's name, or None when another writer moved the row between its read and its write (the
+    compare-and-set on its state). :class:`InvalidTransitionError` when the lifecycle table
+    does not allow the move."""
+    instance, name = _instance_row(session, instance_id)
+    from_state = instance.state
+    check_transition(from_state, to_state)
+    result = session.execute(
+        update(m.Instance)
+        .where(m.Instance.id == instance_id, m.Instance.state == from_state)
+        .values(state=to_state, updated_at=now, **(values or {}))
+        .execution_options(synchronize_session=False)
+    )
+    if cast(CursorResult[Any], result).rowcount != 1:
+        session.expire(instance)  # read again: what the other writer committed
+        return None
+    session.add(
+        m.InstanceEvent(
+            instance_id=instance_id,
+            from_state=from_state,
+            to_state=to_state,
+            at=now,
+            reason=reason,
+        )
+    )
+    session.flush()
+    session.refresh(instance)
+    return instance, name
+
+
 def _move_row(
     session: Session, instance_id: str, to_state: str, reason: str, now: datetime
 ) -> InstanceRecord:
@@ -64,30 +103,9 @@ def _move_row(
     :meth:`InstanceStore.transition_instance` retries it (left where the other writer put it,
     a terminate's row stayed draining with its machine ended)."""
     for _ in range(_ATTEMPTS):
-        instance, name = _instance_row(session, instance_id)
-        from_state = instance.state
-        check_transition(from_state, to_state)
-        result = session.execute(
-            update(m.Instance)
-            .where(m.Instance.id == instance_id, m.Instance.state == from_state)
-            .values(state=to_state, updated_at=now)
-            .execution_options(synchronize_session=False)
-        )
-        if cast(CursorResult[Any], result).rowcount != 1:  # moved since it was read
-            session.expire(instance)  # read again: what the other writer committed
-            continue
-        session.add(
-            m.InstanceEvent(
-                instance_id=instance_id,
-                from_state=from_state,
-                to_state=to_state,
-                at=now,
-                reason=reason,
-            )
-        )
-        session.flush()
-        session.refresh(instance)
-        return _instance_record(instance, name)
+        moved = _try_move(session, instance_id, to_state, reason, now)
+        if moved is not None:
+            return _instance_record(*moved)
     raise ConflictError(f"instance {instance_id!r} kept changing state; try again")
 
 
@@ -326,38 +344,16 @@ class InstanceStore(StoreBase):
         if market is not None and market not in MARKETS:
             raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         price = None if price_usd_per_hr is None else _number(price_usd_per_hr, "price_usd_per_hr")
+        given = {"provider_id": provider_id, "market": market, "price_usd_per_hr": price}
+        values = {key: value for key, value in given.items() if value is not None}
         now = self._now(at)
         for _ in range(_ATTEMPTS):
             try:
                 with transaction(self._sessions) as session:
-                    instance, app = _instance_row(session, instance_id)
-                    from_state = instance.state
-                    check_transition(from_state, to_state)
-                    values: dict[str, Any] = {"state": to_state, "updated_at": now}
-                    if provider_id is not None:
-                        values["provider_id"] = provider_id
-                    if market is not None:
-                        values["market"] = market
-                    if price is not None:
-                        values["price_usd_per_hr"] = price
-                    result = session.execute(
-                        update(m.Instance)
-                        .where(m.Instance.id == instance_id, m.Instance.state == from_state)
-                        .values(**values)
-                        .execution_options(synchronize_session=False)
-                    )
-                    if cast(CursorResult[Any], result).rowcount != 1:
+                    moved = _try_move(session, instance_id, to_state, reason, now, values)
+                    if moved is None:
                         raise _LostRaceError
-                    session.add(
-                        m.InstanceEvent(
-                            instance_id=instance_id,
-                            from_state=from_state,
-                            to_state=to_state,
-                            at=now,
-                            reason=reason,
-                        )
-                    )
-                    session.refresh(instance)
+                    instance, app = moved
                     for kind, text, numbers in said:
                         add_decision(session, instance.app_id, kind, text, numbers, now)
                     return _instance_record(instance, app)
