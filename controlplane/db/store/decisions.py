@@ -135,20 +135,8 @@ class DecisionStore(StoreBase):
         decision of the kind, or was last made within ``decision_merge_window_s``: its row then
         counts one more (``count``), takes ``at`` as its ``last_at`` and the newest reason and
         numbers, and keeps its first ``at``. Anything else adds a row (count 1)."""
-        now = self._now(at)
-        with transaction(self._sessions) as session:
-            row = _app_row(session, app)
-            decision = add_decision(
-                session,
-                row.id,
-                kind,
-                reason,
-                numbers or {},
-                now,
-                key=key,
-                merge_window_s=self.decision_merge_window_s,
-            )
-            return _decision_record(decision, app)
+        (decision,) = self.record_decisions(app, [(kind, reason, numbers or {}, key)], at=at)
+        return decision
 
     @_translated
     def record_decisions(
