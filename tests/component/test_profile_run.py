@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -672,17 +673,12 @@ def test_the_api_pins_refuses_the_plan_then_profiles_the_app(
         assert unknown.json()["error"]["field"] == "models[0].artifact"
 
 
-def test_a_spec_that_moves_a_model_to_other_bytes_drops_the_profiles_measured_of_the_old(
-    world: World, worker: FakeV2Worker
-) -> None:
-    """`app apply` that gives a model another artifact (no live instance: allowed) kept the
-    profiles measured of the old one, and the app was planned and served on them: a model of
-    other bytes (another format here) planned on another model's latencies. The profiles of
-    that model go, so that the app asks to be profiled again; a version of the same bytes
-    keeps them."""
-    world.store.add_model_version(
-        "digits-small", 2, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///registry/s2.onnx"
-    )
+@contextmanager
+def profiled_at_version_1(
+    world: World,
+) -> Iterator[tuple[TestClient, dict[str, str], dict[str, Any]]]:
+    """An app of digits-small@1 (version 3 of other bytes registered) applied through the API
+    and profiled once: the client, its auth header and the spec document."""
     world.store.add_model_version(
         "digits-small", 3, "torchscript", "ef" * 32, 10, FAMILY_SIGNATURE, "file:///r/s3.pt"
     )
@@ -700,6 +696,21 @@ def test_a_spec_that_moves_a_model_to_other_bytes_drops_the_profiles_measured_of
             f"/v1/apps/{APP}/profiles", json={"batch_sizes": [1], "samples": 2}, headers=auth
         )
         assert ran.status_code == 200, ran.text
+        yield client, auth, document
+
+
+def test_a_spec_that_moves_a_model_to_other_bytes_drops_the_profiles_measured_of_the_old(
+    world: World, worker: FakeV2Worker
+) -> None:
+    """`app apply` that gives a model another artifact (no live instance: allowed) kept the
+    profiles measured of the old one, and the app was planned and served on them: a model of
+    other bytes (another format here) planned on another model's latencies. The profiles of
+    that model go, so that the app asks to be profiled again; a version of the same bytes
+    keeps them."""
+    world.store.add_model_version(
+        "digits-small", 2, "onnx", SHA, 10, FAMILY_SIGNATURE, "file:///registry/s2.onnx"
+    )
+    with profiled_at_version_1(world) as (client, auth, document):
 
         def replace_and_plan(artifact: str) -> Any:
             document["models"][0]["artifact"] = artifact
@@ -721,23 +732,7 @@ def test_a_spec_whose_profiles_drop_was_not_said_is_not_replaced_either(world: W
     and says it once. The spec was written first, in a transaction of its own: the old bytes'
     profiles stayed for the new ones (the replace again changed nothing), or were dropped and
     never said."""
-    world.store.add_model_version(
-        "digits-small", 3, "torchscript", "ef" * 32, 10, FAMILY_SIGNATURE, "file:///r/s3.pt"
-    )
-    settings = Settings(data_dir=world.data_dir / "data", provisioner="fake")
-    token = world.store.create_token("operator", name="op")
-    app = create_app(
-        settings, world.store, world.clock, resolver=world.resolver, provisioner=world.provisioner
-    )
-    auth = {"Authorization": f"Bearer {token}"}
-    document = spec(types=(SMALL,))
-    document["models"][0]["artifact"] = "digits-small@1"
-    with TestClient(app, raise_server_exceptions=False) as client:
-        assert client.post("/v1/apps", json=document, headers=auth).status_code == 201
-        ran = client.post(
-            f"/v1/apps/{APP}/profiles", json={"batch_sizes": [1], "samples": 2}, headers=auth
-        )
-        assert ran.status_code == 200, ran.text
+    with profiled_at_version_1(world) as (client, auth, document):
         document["models"][0]["artifact"] = "digits-small@3"
         with decision_write_fails("latency profiles of small dropped") as failing:
             died = client.put(f"/v1/apps/{APP}", json=document, headers=auth)
