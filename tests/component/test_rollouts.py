@@ -27,6 +27,7 @@ from controlplane.settings import Settings
 from estimator.catalog import default_catalog
 from provisioners.artifacts import FAMILY_SIGNATURE, ModelSignature, TensorSpec
 from provisioners.fake import FakeProvisioner
+from tests.dying_writes import decision_write_fails
 
 SMALL = "emu.cpu.small"
 APP = "wine"
@@ -218,27 +219,13 @@ def test_a_start_whose_decision_was_not_written_is_not_recorded_either(world: Wo
     once. The decision used to be written after the rollout, in a transaction of its own: the
     rollout was recorded and never said (``heteroplane events`` showed no start), and starting
     it again was a 409 naming it."""
-    from sqlalchemy import event
-
-    from controlplane.db import models as m
-
     register(world, budget=10 * PRICE)
-    failing = ["started by"]
-
-    def killed(_mapper: Any, _connection: Any, row: m.DecisionRow) -> None:
-        if failing and failing[0] in row.reason:
-            failing.pop(0)
-            raise RuntimeError("test: the process died writing the decision")
-
-    event.listen(m.DecisionRow, "before_insert", killed)
-    try:
+    with decision_write_fails("started by") as failing:
         died = post(world, "rollouts", {"model": "wine-model@2"})
         assert died.status_code == 500 and failing == [], died.text
         assert world.store.list_rollouts(APP) == []
         started = post(world, "rollouts", {"model": "wine-model@2"})
         assert started.status_code == 201, started.text
-    finally:
-        event.remove(m.DecisionRow, "before_insert", killed)
     (rollout,) = world.store.list_rollouts(APP)
     decided = world.store.list_decisions(APP, kinds=["rollout"])
     assert [d.numbers["rollout_id"] for d in decided] == [rollout.id], decided
@@ -522,9 +509,6 @@ def test_a_move_whose_decision_was_not_written_is_made_again_and_said_once(
     to be written after the move, in a transaction of its own: the move was kept, the loop
     started again read it done, and the move was never said (the plan, a "planned again"
     decision, too)."""
-    from sqlalchemy import event
-
-    from controlplane.db import models as m
     from controlplane.loops.rollouts import ROUTE_GRACE_S
 
     clock, store = handover.clock, handover.store
@@ -534,15 +518,7 @@ def test_a_move_whose_decision_was_not_written_is_made_again_and_said_once(
     store.move_rollout(
         rollout, figures={**figures, "handover": {**figures["handover"], "plan_after": True}}
     )
-    failing = ["handover done", "planned again"]
-
-    def killed(_mapper: Any, _connection: Any, row: m.DecisionRow) -> None:
-        if failing and failing[0] in row.reason:
-            failing.pop(0)
-            raise RuntimeError("test: the process died writing the decision")
-
-    event.listen(m.DecisionRow, "before_insert", killed)
-    try:
+    with decision_write_fails("handover done", "planned again") as failing:
         clock.advance(ROUTE_GRACE_S)
         assert [t.what for t in handover.loop(tmp_path).tick()] == [
             "ended 2 instance(s) of the old version"
@@ -566,8 +542,6 @@ def test_a_move_whose_decision_was_not_written_is_made_again_and_said_once(
         (planned,) = [t.what for t in again.tick()]
         assert planned.startswith(f"plan {plan.id} stays: the app could not be planned again (")
         assert again.tick() == [] and handover.loop(tmp_path).tick() == []
-    finally:
-        event.remove(m.DecisionRow, "before_insert", killed)
     decided = [d.reason for d in store.list_decisions(APP, kinds=["rollout"])]
     for move in ("handover done", "planned again"):
         assert sum(move in r for r in decided) == 1, decided
