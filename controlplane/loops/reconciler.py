@@ -193,7 +193,7 @@ from controlplane.apps.teardown import teardown_requested
 from controlplane.clock import Clock
 from controlplane.crashpoints import crash_point
 from controlplane.db.store import AppRecord, InstanceRecord, Store
-from controlplane.db.store.decisions import Words
+from controlplane.db.store.decisions import Keyed, Words
 from controlplane.errors import ControlPlaneError, InvalidTransitionError, NotFoundError
 from controlplane.loops.infaas_scaler import scales_with_infaas
 from controlplane.loops.liveness import Liveness
@@ -4020,8 +4020,9 @@ class Reconciler:
             " a new id"
         )
         errors.append(f"launch {launch.request_id}: {reason}")
-        self.store.record_decision(
-            app.name,
+        # The row fails with the decision that says so, in one transaction: said first, a crash
+        # between the two left the row to fail again after a restart, said a second time.
+        said = (
             "launch_failed",
             f"launch of {launch.instance_type} ({launch.request_id}) failed: {reason}",
             {
@@ -4031,9 +4032,9 @@ class Reconciler:
                 "error": "RequestIdSpent",
                 "retryable": False,
             },
-            key=f"{launch.request_id}:RequestIdSpent",
+            f"{launch.request_id}:RequestIdSpent",
         )
-        errors.guard(lambda: self.store.transition_instance(row.id, _S.FAILED.value, reason=reason))
+        self._fail_said(app, row, reason, said, errors)
 
     def _note_stand_in(self, app: str, launch: Launch, row: InstanceRecord) -> None:
         """Rule 11's stand-in, as this process keeps it (its decision, :func:`_stand_in_said`,
@@ -4103,18 +4104,29 @@ class Reconciler:
             self._held_until_s[(app.name, launch.instance_type)] = until_s
             then = f"{launch.instance_type} not launched again for {self.launch_backoff_s:g} s"
             held = {"held_s": self.launch_backoff_s}
-        self.store.record_decision(
-            app.name,
+        # The row fails with the decision that says so, in one transaction (as above).
+        said = (
             "launch_failed",
             f"launch of {launch.instance_type} ({launch.request_id}) failed: {error}; {then}",
             {**numbers, **held},
-            key=f"{launch.request_id}:{kind}",
+            f"{launch.request_id}:{kind}",
         )
-        errors.guard(
+        self._fail_said(app, row, f"launch refused: {error}", said, errors)
+
+    def _fail_said(
+        self, app: AppRecord, row: InstanceRecord, reason: str, said: Keyed, errors: _Errors
+    ) -> None:
+        """The launch's row fails with the keyed decision ``said`` in one transaction; where
+        another writer moved the row meanwhile (an app taken down ended it), the failure is
+        still said, alone."""
+        failed = errors.guard(
             lambda: self.store.transition_instance(
-                row.id, _S.FAILED.value, reason=f"launch refused: {error}"
+                row.id, _S.FAILED.value, reason=reason, keyed=said
             )
         )
+        if failed is None:
+            kind, text, numbers, key = said
+            self.store.record_decision(app.name, kind, text, numbers, key=key)
 
     def _terminate_strays(self, strays: Sequence[ProvisionedInstance]) -> list[str]:
         """Managed instances whose app tag names no app (a forced delete left them): they belong

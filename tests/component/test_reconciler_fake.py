@@ -721,6 +721,51 @@ def test_a_quota_error_fails_the_row_and_holds_the_type(world: World) -> None:
     assert by_state(world.store) == {"failed": 1, "pending": 1}
 
 
+def test_a_launch_failed_for_good_whose_row_did_not_fail_is_said_once(world: World) -> None:
+    """The process dies failing the row of a launch the provider refused for good (a quota):
+    neither the row's move nor the ``launch_failed`` decision is kept. The decision used to be
+    written first, in a transaction of its own: the row stayed requested, failed again after the
+    restart, and its one failure was said twice (the decision counted 2)."""
+    world.fake.set_quota(LARGE, 0)
+    apply_fleet(world.store, {LARGE: 1})
+    with instance_move_fails("launch refused") as failing:
+        with pytest.raises(RuntimeError, match="died writing the instance_events row"):
+            world.tick()
+        assert failing == []
+    assert by_state(world.store) == {"requested": 1}
+    assert decisions(world.store, "launch_failed") == []
+    world.restart()
+    world.tick()
+    assert by_state(world.store) == {"failed": 1}
+    (failed,) = decisions(world.store, "launch_failed")
+    assert failed.numbers["error"] == "QuotaExceededError" and failed.count == 1
+
+
+def test_a_launch_failed_for_good_whose_row_ended_meanwhile_is_still_said(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row of a launch the provider refused for good was ended by another writer while the
+    launch was asked (an app taken down): its move fails, and the failure is said alone."""
+    world.fake.set_quota(LARGE, 0)
+    apply_fleet(world.store, {LARGE: 1})
+    launch = world.fake.launch
+
+    def meanwhile(request: Any) -> Any:
+        for row in world.store.list_instances(APP, states=("requested",)):
+            world.store.transition_instance(row.id, "failed", reason="test: ended meanwhile")
+        return launch(request)
+
+    monkeypatch.setattr(world.fake, "launch", meanwhile)
+    world.tick()
+    (row,) = world.store.list_instances(APP)
+    assert row.state == "failed"
+    (failed,) = decisions(world.store, "launch_failed")
+    assert failed.numbers["instance_id"] == row.id and failed.count == 1
+    reasons = [e.reason for e in world.store.list_instance_events(instance_id=row.id)]
+    assert "test: ended meanwhile" in reasons
+    assert not any(r.startswith("launch refused") for r in reasons)
+
+
 def test_a_throttled_list_skips_all_but_the_budget_guard(world: World) -> None:
     apply_fleet(world.store, {SMALL: 2, LARGE: 1})
     world.tick()

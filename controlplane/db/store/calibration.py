@@ -21,7 +21,7 @@ from controlplane.db.store.base import (
     _label,
     _translated,
 )
-from controlplane.db.store.decisions import Keyed, Words, add_decision
+from controlplane.db.store.decisions import Keyed, Words, add_decision, add_keyed
 from controlplane.db.store.records import (
     ProfileScaleRecord,
     ServingOverheadRecord,
@@ -126,18 +126,7 @@ class CalibrationStore(StoreBase):
             return _scale_record(app, scale)
 
     def _said(self, session: Session, app_id: int, said: Keyed | None, now: datetime) -> None:
-        if said is not None:
-            kind, reason, numbers, key = said
-            add_decision(
-                session,
-                app_id,
-                kind,
-                reason,
-                numbers,
-                now,
-                key=key,
-                merge_window_s=self.decision_merge_window_s,
-            )
+        add_keyed(session, app_id, said, now, self.decision_merge_window_s)
 
     @_translated
     def list_profile_scales(self, app: str) -> list[ProfileScaleRecord]:

@@ -25,7 +25,7 @@ from controlplane.db.store.records import (
 )
 from controlplane.errors import InvalidValueError
 
-__all__ = ["DecisionStore", "Keyed", "Words", "add_decision"]
+__all__ = ["DecisionStore", "Keyed", "Words", "add_decision", "add_keyed"]
 
 _DECISION_KEY_MAX = 200
 
@@ -33,7 +33,8 @@ _DECISION_KEY_MAX = 200
 # ``(kind, reason, numbers)``: a plan applied (:meth:`PlanStore.apply_plan`'s ``said``).
 Words = Sequence[tuple[str, str, Mapping[str, Any]]]
 # One keyed decision written so, ``(kind, reason, numbers, key)``: a calibration stored
-# (:meth:`CalibrationStore.set_profile_scale`'s ``said``).
+# (:meth:`CalibrationStore.set_profile_scale`'s ``said``), a launch failed for good
+# (:meth:`InstanceStore.transition_instance`'s ``keyed``).
 Keyed = tuple[str, str, Mapping[str, Any], str]
 
 
@@ -66,6 +67,18 @@ def add_decision(
             session.flush()
             return same
     return _add_row(session, app_id, kind, reason, body, key, at)
+
+
+def add_keyed(
+    session: Session, app_id: int, said: Keyed | None, at: datetime, merge_window_s: float
+) -> None:
+    """:func:`add_decision` of the keyed decision ``said`` (nothing for None): merged with its
+    key's repeats as :meth:`DecisionStore.record_decision` merges them."""
+    if said is not None:
+        kind, reason, numbers, key = said
+        add_decision(
+            session, app_id, kind, reason, numbers, at, key=key, merge_window_s=merge_window_s
+        )
 
 
 def _repeated(

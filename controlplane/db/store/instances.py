@@ -29,7 +29,7 @@ from controlplane.db.store.base import (
     _translated,
     _values,
 )
-from controlplane.db.store.decisions import Words, add_decision
+from controlplane.db.store.decisions import Keyed, Words, add_decision, add_keyed
 from controlplane.db.store.records import (
     InstanceEventRecord,
     InstanceRecord,
@@ -335,12 +335,15 @@ class InstanceStore(StoreBase):
         market: str | None = None,
         price_usd_per_hr: float | None = None,
         said: Words = (),
+        keyed: Keyed | None = None,
     ) -> InstanceRecord:
         """Move the instance to ``to_state`` (and set its provider id, its market and price,
         when given: a launch the provider billed otherwise than asked), with an
         ``instance_events`` row. :class:`InvalidTransitionError` when the lifecycle table does
         not allow the move from the state it is in. ``said``: the decisions of its app that say
-        the move (an adoption), written in its transaction."""
+        the move (an adoption), written in its transaction; ``keyed``: one more, merged with its
+        key's repeats (a launch that failed for good, whose retries failed under the same key
+        before)."""
         if market is not None and market not in MARKETS:
             raise InvalidValueError("market", f"must be on-demand or spot, got {market!r}")
         price = None if price_usd_per_hr is None else _number(price_usd_per_hr, "price_usd_per_hr")
@@ -356,6 +359,7 @@ class InstanceStore(StoreBase):
                     instance, app = moved
                     for kind, text, numbers in said:
                         add_decision(session, instance.app_id, kind, text, numbers, now)
+                    add_keyed(session, instance.app_id, keyed, now, self.decision_merge_window_s)
                     return _instance_record(instance, app)
             except _LostRaceError:
                 continue
