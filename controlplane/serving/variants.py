@@ -20,14 +20,16 @@ each of its models alone. :class:`AppVariants` owns what each is worth now:
 :meth:`AppVariants.choose` gives a model-less query the cheapest variant that meets its
 requirements (:func:`controlplane.policies.variants.choose`), among those whose every model a
 healthy worker serves first; when none that is *active* meets them, the cheapest served one that
-is *overloaded* only and otherwise meets them (admission control then judges the query at its
-queue: a 429 to try again where it cannot serve it in time); else a
+is *overloaded* or *interfered* only and otherwise meets them, an interfered one at its latency
+as slowed (admission control then judges the query at its queue: a 429 to try again where it
+cannot serve it in time); else a
 :class:`~controlplane.errors.RequirementsUnmetError` naming the closest offer.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -251,31 +253,73 @@ class AppVariants:
         choice = choose(requirements, [option for option, _ in options])
         if choice.met:
             return next(c for option, c in options if option is choice.option)
-        queued = self._queued_choice(requirements, served)
+        queued = self._queued_choice(requirements, served, now_s)
         if queued is not None:
             return queued
         raise RequirementsUnmetError(app, choice.message, choice.option.name)
 
     def _queued_choice(
-        self, requirements: Requirements, served: Sequence[tuple[VariantOption, Cascade]]
+        self,
+        requirements: Requirements,
+        served: Sequence[tuple[VariantOption, Cascade]],
+        now_s: float,
     ) -> Cascade | None:
-        """The cheapest served variant that is *overloaded* only and otherwise meets
-        ``requirements`` (its predicted latency, its wait included, within the bound and
+        """The cheapest served variant that is *overloaded* or *interfered* only and otherwise
+        meets ``requirements`` (its predicted latency, its wait included, within the bound and
         finite; its accuracy at least the floor), when no active one does: a backlog is a
         passing verdict on a queue, not on what the variant can give, so the query goes to
         that queue, where admission control judges it against the SLO (a 429 with a
         ``Retry-After`` where the queue cannot serve it in time, which the overload verdict
-        counts) instead of a 422 ``requirements_unmet`` that says not to try again. ``None``:
-        no such variant."""
+        counts) instead of a 422 ``requirements_unmet`` that says not to try again. So is
+        interference, a verdict on the instances of the moment (the dispatcher serves the
+        model on them while it has no other): an interfered variant is judged at its latency
+        as slowed (:meth:`_slowdown`), so a bound only its profiles meet is still unmet.
+        ``None``: no such variant."""
         queued = [
             (option, c)
             for option, c in served
-            if option.state == "overloaded" and math.isfinite(option.predicted_latency_ms)
+            if option.state in ("overloaded", "interfered")
+            and math.isfinite(option.predicted_latency_ms)
         ]
         if not queued:
             return None
-        as_active = [(replace(option, state="active"), c) for option, c in queued]
+        as_active = [
+            (
+                replace(
+                    option,
+                    state="active",
+                    predicted_latency_ms=option.predicted_latency_ms * self._slowdown(c, now_s),
+                )
+                if option.state == "interfered"
+                else replace(option, state="active"),
+                c,
+            )
+            for option, c in queued
+        ]
         choice = choose(requirements, [option for option, _ in as_active])
         if not choice.met:
             return None
         return next(c for option, c in as_active if option is choice.option)
+
+    def _slowdown(self, cascade: Cascade, now_s: float) -> float:
+        """How much slower than their profiles the instances serving ``cascade`` are now: per
+        stage it reaches, the least median measured / profiled ratio of its healthy workers (1
+        where one of them is not interfered: the dispatcher serves on that one), the largest
+        over the stages; at least 1."""
+        _, reach = self.reach(cascade)
+        tracker = self.tracker
+        worst = 1.0
+        for model, share in zip(cascade.models, reach, strict=True):
+            if share <= 0:
+                continue
+            least = math.inf
+            for slot in self.stages[model].slots:
+                if not slot.worker.healthy:
+                    continue
+                instance = slot.worker.instance_id
+                ratios = tracker.ratios(model, instance, now_s)
+                interfered = tracker.interfered(model, instance, now_s)
+                least = min(least, statistics.median(ratios) if interfered else 1.0)
+            if math.isfinite(least):
+                worst = max(worst, least)
+        return worst

@@ -542,6 +542,40 @@ def test_a_model_less_query_whose_variant_is_backlogged_goes_to_its_queue_not_a_
     run(scenario())
 
 
+def test_a_model_less_query_whose_variant_is_interfered_is_served_at_its_slowed_latency() -> None:
+    """The only variant that meets a model-less query's needs runs on an instance found
+    interfered (it measures 20 ms where its profile says about 1): the query was refused 422
+    ``requirements_unmet``, which says not to try again, though the dispatcher serves the model
+    on that instance, its only one. It is served now, judged at its latency as slowed; a bound
+    only the profile meets is still unmet."""
+
+    async def scenario() -> None:
+        (worker,) = await fleet([LARGE])
+        worker.delay_s = 0.02
+        dispatcher = AppDispatcher(
+            config(models=("tiny",), stage_plans=ONE_AT_A_TIME),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=False),
+        )
+        dispatcher.set_workers(endpoints([worker]))
+        while worker.requests < 5:  # the tracker's least evidence
+            assert isinstance(await dispatcher.submit([row(1, 0.9)]), InferResult)
+        ((option, cascade),) = dispatcher.variant_options()
+        assert option.state == "interfered", option
+        slowed = option.predicted_latency_ms * 10.0  # 20 ms against about 1: over 10 times
+        patient = Requirements("demo", latency_ms=60_000.0)
+        assert dispatcher.choose_variant(patient, 1) == cascade
+        answer = await dispatcher.infer([row(5, 0.9)], requirements=patient)
+        assert isinstance(answer, InferResult) and answer.outputs == (5,)
+        hurried = Requirements("demo", latency_ms=slowed)
+        with pytest.raises(RequirementsUnmetError, match="but it is interfered"):
+            dispatcher.choose_variant(hurried, 1)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_a_model_less_query_is_admitted_at_its_variants_queue_not_the_gears() -> None:
     """Admission judged a model-less query under the gear's cascades, whatever variant it was
     given: a query for the large model alone was refused (429) at the tiny model's full queue,
