@@ -277,6 +277,13 @@ class Settings(BaseSettings):
         description="gRPC calls that take a token in flight at most (all connections); one more"
         " is RESOURCE_EXHAUSTED at once",
     )
+    grpc_connections_max: int = Field(
+        default=1000,
+        ge=1,
+        description="gRPC connections open at most (one more is closed as it is accepted); a"
+        " connection's handshake must be done within http_head_timeout_s and one without a"
+        " call for http_keep_alive_s is closed",
+    )
     tuner_tick_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     gear_interval_s: float = Field(
         default=0.1,

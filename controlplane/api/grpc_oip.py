@@ -661,14 +661,29 @@ class Listener:
 
 
 def attach(
-    app: FastAPI, host: str, port: int, max_message_bytes: int, max_calls: int | None = None
+    app: FastAPI,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    max_calls: int | None = None,
+    *,
+    max_connections: int | None = None,
+    handshake_s: float | None = None,
 ) -> Listener:
     """Serve the protocol over gRPC on ``host:port`` (0: a free port) while ``app`` runs: the
     server starts in the app's lifespan, after what the lifespan starts (the serving loop), and
     stops before it. Messages up to ``max_message_bytes`` (the setting
     ``oip_body_max_bytes``, as on REST); a larger one is ``RESOURCE_EXHAUSTED``. At most
     ``max_calls`` calls that need a token in flight (default: the setting ``grpc_calls_max``;
-    :class:`GrpcOip`)."""
+    :class:`GrpcOip`).
+
+    Connections are bounded as REST's are (:mod:`controlplane.service.protocol`): at most
+    ``max_connections`` open (default: the setting ``grpc_connections_max``; grpc's core closes
+    one more as it accepts it, before any byte is read), each to finish its handshake (the
+    client's HTTP/2 preface) within ``handshake_s`` (default: ``http_head_timeout_s``, REST's
+    time for a request head) and closed once it has had no call for ``http_keep_alive_s``
+    (REST's idle keep-alive; a client reconnects on its next call). A connection that opened
+    and never spoke held a slot forever."""
     listener = Listener(host)
     inner = app.router.lifespan_context
 
@@ -676,12 +691,23 @@ def attach(
     async def lifespan(running: FastAPI) -> AsyncIterator[Any]:
         async with inner(running) as state:
             services: Services = running.state.services
+            settings = services.settings
+            connections = (
+                settings.grpc_connections_max if max_connections is None else max_connections
+            )
+            handshake = settings.http_head_timeout_s if handshake_s is None else handshake_s
             server = aio.server(
                 options=[
                     # Another process on the port is an error, not a second listener.
                     ("grpc.so_reuseport", 0),
                     ("grpc.max_receive_message_length", max_message_bytes),
                     ("grpc.max_send_message_length", max_message_bytes),
+                    ("grpc.max_allowed_incoming_connections", connections),
+                    ("grpc.server_handshake_timeout_ms", max(1, round(1000.0 * handshake))),
+                    (
+                        "grpc.max_connection_idle_ms",
+                        max(1, round(1000.0 * settings.http_keep_alive_s)),
+                    ),
                 ]
             )
             service = GrpcOip(services, max_message_bytes, max_calls)

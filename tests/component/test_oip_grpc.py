@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -355,6 +356,20 @@ def capped(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
         yield held
 
 
+@pytest.fixture
+def two_connections(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
+    """:func:`held`'s, with at most two gRPC connections."""
+    with _hung(world, max_connections=2) as held:
+        yield held
+
+
+@pytest.fixture
+def quick_handshake(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
+    """:func:`held`'s, with a gRPC connection's handshake to be done within half a second."""
+    with _hung(world, handshake_s=0.5) as held:
+        yield held
+
+
 def _hold(world: ApiWorld, **settings: Any) -> None:
     world.serving.settings = dataclasses.replace(
         world.serving.settings,
@@ -495,6 +510,49 @@ def test_a_call_cut_by_its_deadline_is_counted_as_rests_504(
     assert {key: n for key, n in counts.items() if key[0] == "demo" and key[1] != 200} == {
         ("demo", 504): 1
     }
+
+
+def _live(address: str) -> bool:
+    try:
+        return bool(grpcclient.InferenceServerClient(address).is_server_live())
+    except InferenceServerException:
+        return False
+
+
+def test_connections_past_the_cap_are_closed(
+    two_connections: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """gRPC's connections were not capped (REST caps those without a token): a client could
+    open connections until the process ran out of descriptors. At most
+    ``grpc_connections_max`` are open: with two connections holding both places, a client's
+    call on a new one is ``UNAVAILABLE``; once one of them closes, the server serves again."""
+    _world, _worker, address, _url = two_connections
+    host, port = address.split(":")
+    held = [socket.create_connection((host, int(port))) for _ in range(2)]
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            grpcclient.InferenceServerClient(address).is_server_live(client_timeout=10.0)
+        assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value.message()
+        held.pop().close()
+        _until("the server never served again", lambda: _live(address))
+    finally:
+        for connection in held:
+            connection.close()
+
+
+def test_a_connection_that_never_speaks_is_closed_after_the_handshake_time(
+    quick_handshake: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """A connection that opened and sent nothing held its place for good; it is closed once the
+    handshake time has passed (``http_head_timeout_s``, REST's time for a request head; here
+    half a second), and the server serves on."""
+    _world, _worker, address, _url = quick_handshake
+    host, port = address.split(":")
+    with socket.create_connection((host, int(port))) as silent:
+        silent.settimeout(20.0)
+        while silent.recv(4096):  # the server's preface, then the end of the connection
+            pass
+    assert _live(address)
 
 
 def test_calls_past_the_cap_are_resource_exhausted_and_the_server_serves_on(
