@@ -153,6 +153,9 @@ logger = logging.getLogger(__name__)
 
 # How often unanswered requests are checked against their give-up time.
 _SWEEP_S = 0.25
+# How long after the app's last model-less query refuse_early still weighs the variants such a
+# query may run under (one in a minute's traffic makes the app one that gets them).
+MODEL_LESS_MEMORY_S = 60.0
 # The least time between two sweeps aimed at a client's deadline (sweep_delay_s).
 _MIN_SWEEP_S = 0.02
 
@@ -426,6 +429,7 @@ class AppDispatcher:
         self.health = Health(config.name, transport, self.settings, clock_s, on_unhealthy)
         self._stages: dict[str, _Stage] = {}
         self._interfered: set[tuple[str, str]] = set()
+        self._model_less_s = -math.inf  # the last model-less query's choice, on clock_s
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_query = 0
         # Requests not answered yet, oldest first: swept for their give-up time every _SWEEP_S
@@ -629,8 +633,12 @@ class AppDispatcher:
             self._check_serving(gear.cascade)
         except NoServingInstanceError:
             return  # submit answers that (503), with the query's own size
+        # A model-less query runs under the variant its requirements pick, which its body says:
+        # where the app got one lately, every variant must refuse too (one for the large model
+        # alone had been refused at the tiny model's full queue, under the gear's cascades).
+        variants = self.clock_s() - self._model_less_s <= MODEL_LESS_MEMORY_S
         try:
-            self._admit(gear, 1, by_every_gear=True)
+            self._admit(gear, 1, by_every_gear=True, and_variants=variants)
         except OverloadedError as error:
             now = self.clock_s()
             self.observations.arrival(self.app, now)
@@ -668,6 +676,7 @@ class AppDispatcher:
         *,
         by_every_gear: bool = False,
         chosen: Cascade | None = None,
+        and_variants: bool = False,
     ) -> None:
         """Admission for a query of ``samples`` samples under ``gear`` (raises the
         :class:`~controlplane.errors.OverloadedError` that refuses it), judged under the gear of
@@ -675,7 +684,9 @@ class AppDispatcher:
         candidate refuses (:meth:`refuse_early`). ``chosen``: the cascade a model-less query's
         variant choice gave it, the only one it runs under, so the only one judged (judged
         under the gear's candidates, a query for the large model alone was refused at the
-        tiny model's queue, and its refusal marked tiny overloaded)."""
+        tiny model's queue, and its refusal marked tiny overloaded). ``and_variants``: every
+        variant a model-less query may be given is a candidate too (:meth:`refuse_early` for an
+        app that gets model-less queries)."""
         queued = sum(s.queued_samples for s in self._stages.values())
         if queued + samples > self.settings.max_queued_samples:
             raise OverloadedError(self.app, math.inf, self.config.slo_ms, 1)
@@ -685,6 +696,8 @@ class AppDispatcher:
             candidates = [gear.cascade, self.config.cascade]
             if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
                 candidates.append(gear.cheapest)
+            if and_variants:
+                candidates.extend(self.variants.cascades(gear))
         now = self.clock_s()
         loads = {c: self.variants.loads(c, samples, gear, now) for c in dict.fromkeys(candidates)}
         cascade, best = min(loads.items(), key=lambda item: predicted_latency_ms(item[1]))
@@ -1404,7 +1417,9 @@ class AppDispatcher:
     def choose_variant(self, requirements: Requirements, samples: int) -> Cascade:
         """The cascade of the cheapest variant that meets ``requirements``; raises
         :class:`~controlplane.errors.RequirementsUnmetError` with the closest offer."""
-        return self.variants.choose(requirements, samples, self.current_gear(), self.clock_s())
+        now = self.clock_s()
+        self._model_less_s = now
+        return self.variants.choose(requirements, samples, self.current_gear(), now)
 
     # --- health ---------------------------------------------------------------------------------
 

@@ -124,7 +124,7 @@ class AppVariants:
         config = self.config
         stages = self.stages
         options = []
-        for cascade in self._candidates(gear):
+        for cascade in self.cascades(gear):
             if not all(stages[m].slots for m in cascade.models):
                 continue
             accuracy, reach = self.reach(cascade)
@@ -147,7 +147,7 @@ class AppVariants:
             )
         return options
 
-    def _candidates(self, gear: ServingGear) -> list[Cascade]:
+    def cascades(self, gear: ServingGear) -> list[Cascade]:
         """The cascades the app's stages can serve under ``gear``, each once: its own cascade,
         the gear's and each of its models alone (whether or not a worker serves them now)."""
         config, found, seen = self.config, [], set()
@@ -191,7 +191,7 @@ class AppVariants:
                 cost_usd_per_query=0.0,
                 kind="gear" if len(c.models) > 1 else "model",
             )
-            for c in self._candidates(gear)
+            for c in self.cascades(gear)
         ]
         if not options:
             return

@@ -36,6 +36,7 @@ from controlplane.serving.dispatcher import AppDispatcher, DispatcherSettings, I
 from controlplane.serving.observations import Observations
 from controlplane.serving.stages import DRAIN_WINDOW_S
 from controlplane.serving.transport import HttpWorkerTransport
+from estimator.cascades import Cascade
 from estimator.fleet import Fleet
 from tests.component.test_oip_routes import family_request, live_server
 from tests.component.test_serving import (
@@ -571,6 +572,57 @@ def test_a_model_less_query_whose_variant_is_interfered_is_served_at_its_slowed_
         hurried = Requirements("demo", latency_ms=slowed)
         with pytest.raises(RequirementsUnmetError, match="but it is interfered"):
             dispatcher.choose_variant(hurried, 1)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> None:
+    """The API's early refusal (before a body is read) judged a query under the gear's cascades
+    alone: with the tiny model's queue full, a model-less query for the large model alone,
+    whose queue was empty, was refused 429 before its requirements were read. Once the app has
+    had a model-less query, a query is refused early only when every variant refuses it too;
+    until then the gear's cascades decide, as before."""
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE])
+        workers[0].holding = True  # tiny's worker answers nothing until released
+        plan = {
+            "tiny": StagePlan("tiny", Fleet.of({SMALL: 1}), 1),
+            "large": StagePlan("large", Fleet.of({LARGE: 1}), 1),
+        }
+        dispatcher = AppDispatcher(
+            config(stage_plans=plan, slo_ms=20.0),
+            HttpWorkerTransport(),
+            Observations(),
+            settings=DispatcherSettings(admission=True),
+            clock_s=lambda: 1000.0,  # still: the queues' waits do not drain between checks
+        )
+        dispatcher.set_workers(endpoints(workers))
+        queued: list[asyncio.Future[InferResult]] = []
+        tiny, large = Cascade(("tiny",), ()), Cascade(("large",), ())
+        with pytest.raises(OverloadedError):  # tiny's queue fills to what the SLO drains
+            for _ in range(100):
+                queued.append(dispatcher.submit([row(1, 0.9)], cascade=tiny))
+        with pytest.raises(OverloadedError):  # no model-less query yet: the gears decide
+            dispatcher.refuse_early()
+        needs = Requirements("demo", latency_ms=10.0)
+        assert dispatcher.choose_variant(needs, 1).models == ("large",)
+        dispatcher.refuse_early()  # large alone admits it: not refused before its body
+        answer = await dispatcher.infer([row(5, 0.9)], requirements=needs)
+        assert answer.models == ("large",)
+        workers[1].holding = True  # large's worker holds too: its queue fills
+        with pytest.raises(OverloadedError):
+            for _ in range(100):
+                queued.append(dispatcher.submit([row(2, 0.9)], cascade=large))
+        with pytest.raises(OverloadedError):  # tiny's again, at this moment
+            for _ in range(100):
+                queued.append(dispatcher.submit([row(1, 0.9)], cascade=tiny))
+        with pytest.raises(OverloadedError):  # every variant refuses it now
+            dispatcher.refuse_early()
+        for worker in workers:
+            worker.release()
+        await settle(queued)
         await dispatcher.close()
 
     run(scenario())
