@@ -651,6 +651,17 @@ def _handlers(service: GrpcOip) -> Any:
     )
 
 
+# grpc's channel arguments are C ints: a larger one fails the server's creation (OverflowError);
+# its core aborts the process on a connection cap that is not under the largest.
+_GRPC_INT_MAX = 2**31 - 1
+
+
+def _grpc_ms(seconds: float) -> int:
+    """``seconds`` as a grpc time argument: whole ms, at least 1, at most grpc's largest (about
+    24.8 days: a longer ``http_keep_alive_s`` had failed the service's start)."""
+    return min(max(1, round(1000.0 * seconds)), _GRPC_INT_MAX)
+
+
 @dataclass(slots=True)
 class Listener:
     """Where :func:`attach` serves: ``port`` is the bound one (a free one for 0) while the API
@@ -702,12 +713,9 @@ def attach(
                     ("grpc.so_reuseport", 0),
                     ("grpc.max_receive_message_length", max_message_bytes),
                     ("grpc.max_send_message_length", max_message_bytes),
-                    ("grpc.max_allowed_incoming_connections", connections),
-                    ("grpc.server_handshake_timeout_ms", max(1, round(1000.0 * handshake))),
-                    (
-                        "grpc.max_connection_idle_ms",
-                        max(1, round(1000.0 * settings.http_keep_alive_s)),
-                    ),
+                    ("grpc.max_allowed_incoming_connections", min(connections, _GRPC_INT_MAX - 1)),
+                    ("grpc.server_handshake_timeout_ms", _grpc_ms(handshake)),
+                    ("grpc.max_connection_idle_ms", _grpc_ms(settings.http_keep_alive_s)),
                 ]
             )
             service = GrpcOip(services, max_message_bytes, max_calls)

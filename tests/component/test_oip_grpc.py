@@ -555,6 +555,24 @@ def test_a_connection_that_never_speaks_is_closed_after_the_handshake_time(
     assert _live(address)
 
 
+def test_settings_past_grpcs_int_still_serve_grpc(world: ApiWorld) -> None:
+    """grpc's channel arguments are C ints: an ``http_keep_alive_s`` over about 24.8 days (in
+    ms), valid, failed the server's creation (OverflowError) and with it the service's start,
+    and a ``grpc_connections_max`` of 2**31 - 1 aborted the process (grpc's core checks the cap
+    is under it). They are taken as grpc's largest, and gRPC serves."""
+    services = world.app.state.services
+    settings = services.settings.model_copy(
+        update={
+            "http_keep_alive_s": 3e6,
+            "http_head_timeout_s": 3e6,
+            "grpc_connections_max": 2**31 - 1,
+        }
+    )
+    world.app.state.services = dataclasses.replace(services, settings=settings)
+    with _hung(world) as (_world, _worker, address, _url):
+        assert _live(address)
+
+
 def test_calls_past_the_cap_are_resource_exhausted_and_the_server_serves_on(
     capped: tuple[ApiWorld, FakeWorker, str, str],
 ) -> None:
