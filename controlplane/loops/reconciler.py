@@ -4117,16 +4117,18 @@ class Reconciler:
         self, app: AppRecord, row: InstanceRecord, reason: str, said: Keyed, errors: _Errors
     ) -> None:
         """The launch's row fails with the keyed decision ``said`` in one transaction; where
-        another writer moved the row meanwhile (an app taken down ended it), the failure is
-        still said, alone."""
-        failed = errors.guard(
-            lambda: self.store.transition_instance(
-                row.id, _S.FAILED.value, reason=reason, keyed=said
-            )
-        )
-        if failed is None:
+        another writer ended the row meanwhile (an app taken down), the failure is still said,
+        alone. Any other error of the move (the database's) says nothing: the row is still
+        requested, launched again next tick and its failure said then, with its move (said
+        alone now as well, it counted 2)."""
+        try:
+            self.store.transition_instance(row.id, _S.FAILED.value, reason=reason, keyed=said)
+        except InvalidTransitionError as error:
+            errors.note(error)
             kind, text, numbers, key = said
             self.store.record_decision(app.name, kind, text, numbers, key=key)
+        except ControlPlaneError as error:
+            errors.note(error)
 
     def _terminate_strays(self, strays: Sequence[ProvisionedInstance]) -> list[str]:
         """Managed instances whose app tag names no app (a forced delete left them): they belong

@@ -16,9 +16,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
+from controlplane.db import models as m
 from controlplane.db.store import AppRecord, InstanceRecord, Store
 from controlplane.loops.reconciler import (
     ENDED_ROWS_S,
@@ -735,6 +738,37 @@ def test_a_launch_failed_for_good_whose_row_did_not_fail_is_said_once(world: Wor
     assert by_state(world.store) == {"requested": 1}
     assert decisions(world.store, "launch_failed") == []
     world.restart()
+    world.tick()
+    assert by_state(world.store) == {"failed": 1}
+    (failed,) = decisions(world.store, "launch_failed")
+    assert failed.numbers["error"] == "QuotaExceededError" and failed.count == 1
+
+
+def test_a_launch_failed_for_good_whose_move_the_database_refused_is_said_once(
+    world: World,
+) -> None:
+    """The database refuses the move of a launch's row the provider refused for good (an
+    error, not a crash: a lock held, a connection lost): the row is still requested. Its
+    failure was said alone then, as for a row ended meanwhile, and said again with the move
+    when the next tick launched the row again and it was refused again (the decision counted
+    2); it is said once, with the move."""
+    world.fake.set_quota(LARGE, 0)
+    apply_fleet(world.store, {LARGE: 1})
+    refused = [True]
+
+    def locked(_mapper: Any, _connection: Any, row: Any) -> None:
+        if refused and "launch refused" in row.reason:
+            refused.pop()
+            raise OperationalError("INSERT", {}, Exception("test: database is locked"))
+
+    event.listen(m.InstanceEvent, "before_insert", locked)
+    try:
+        world.tick()
+    finally:
+        event.remove(m.InstanceEvent, "before_insert", locked)
+    assert refused == []
+    assert by_state(world.store) == {"requested": 1}
+    assert decisions(world.store, "launch_failed") == []
     world.tick()
     assert by_state(world.store) == {"failed": 1}
     (failed,) = decisions(world.store, "launch_failed")
