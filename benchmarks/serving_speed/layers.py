@@ -233,9 +233,12 @@ class InstantServing(ServingLoop):
 
     refusing = False
 
-    def refuse_early(self, app: str, received_s: float | None = None) -> None:
+    def refuse_early(
+        self, app: str, received_s: float | None = None, *, plain: bool = False
+    ) -> bool:
         if self.refusing:
             raise _refusal(app)
+        return False
 
     async def infer(
         self,

@@ -36,10 +36,11 @@ dependencies, the token check in the thread pool) were most of ``/v2``'s CPU per
 **Admission's refusal** (429 ``overloaded``, :class:`~controlplane.errors.OverloadedError`) comes
 as early as it can be told (:meth:`~controlplane.serving.loop.ServingLoop.refuse_early`: would
 a query of one sample be refused now? Then this one is, whatever its size), before its body is
-read and decoded, on either route (judged under the gear's candidates: a model-less query with
-INFaaS ``requirements``, which admission judges at its variant's queues once its body is read,
-can be refused here at a queue its variant would not have used; docs/serving.md, "Admission
-control"). It is
+read and decoded, on either route (judged under the gear's candidates; for an app that gets
+model-less queries, INFaaS ``requirements`` that admission judges at their variant's queues, a
+query one of the variants would admit is let through and, once its ``/v1`` body is read and
+shows no ``requirements``, judged again under the gears alone before it is parsed; docs/
+serving.md, "Admission control"). It is
 written here directly (:func:`send_overloaded`), the body and headers the route's handler gives
 it in either shape, without building a request object, a response and, on ``/v2``, the API's
 body decoded again into the protocol's: past saturation most answers are refusals, and each
@@ -211,6 +212,10 @@ class TokenCheck:
             logger.debug("token check failed in the background: %s", done.exception())
 
 
+# A /v1 body that holds this key may be a model-less query (INFaaS ``requirements``).
+_REQUIREMENTS = b'"requirements"'
+
+
 class FastInferMiddleware:
     """Answer the common ``POST /v1/apps/{app}/infer`` outside FastAPI (module docstring).
 
@@ -288,12 +293,20 @@ class FastInferMiddleware:
         if oip:
             await self._oip(scope, receive, send, match.group(1), header_length)
             return
-        if await self._refused_early(match.group(1), scope[RECEIVED_S], send, oip=False):
+        app_name = match.group(1)
+        again = await self._refused_early(app_name, scope[RECEIVED_S], send)
+        if again is None:
             return
         read_body, more = await read_up_to(receive, self.max_body_bytes)
         if read_body is None:  # the client went away
             return
         body = read_body
+        if again and _REQUIREMENTS not in body:
+            # Only a model-less variant would have taken it, and it asks for none: refused
+            # before its body is parsed and decoded, by the gears alone.
+            refused = await self._refused_early(app_name, scope[RECEIVED_S], send, plain=True)
+            if refused is None:
+                return
         parsed = None
         if not more and len(body) <= self.max_body_bytes:
             try:
@@ -325,16 +338,20 @@ class FastInferMiddleware:
         self.counter.add(app, 200)
         await send_ok(send, payload, [(b"content-type", b"application/json")])
 
-    async def _refused_early(self, app: str, received: float, send: Send, oip: bool) -> bool:
-        """Whether admission refused the query before its body is read (module docstring):
-        then its 429 is sent and counted here."""
+    async def _refused_early(
+        self, app: str, received: float, send: Send, oip: bool = False, plain: bool = False
+    ) -> bool | None:
+        """None where admission refused the query before its body is read (module docstring):
+        then its 429 is sent and counted here. Else whether to ask again once the body shows
+        no ``requirements`` (``plain``; :meth:`~controlplane.serving.loop.ServingLoop.
+        refuse_early`). A ``/v2`` query carries none (``oip``)."""
         try:
-            self.services.serving.refuse_early(app, received)
+            again: bool = self.services.serving.refuse_early(app, received, plain=plain or oip)
         except OverloadedError as error:
             await send_overloaded(send, error, oip=oip)
             self.counter.add(app, 429)
-            return True
-        return False
+            return None
+        return again
 
     async def _oip(
         self, scope: Scope, receive: Receive, send: Send, app: str, header_length: str | None
@@ -347,7 +364,7 @@ class FastInferMiddleware:
         except Exception:  # no such app, nothing served: the route answers
             await self.app(scope, receive, send)
             return
-        if await self._refused_early(app, received, send, oip=True):
+        if await self._refused_early(app, received, send, oip=True) is None:
             return
         limit = body_limit(signature, self.services.settings.oip_body_max_bytes)
         body, more = await read_up_to(receive, limit)

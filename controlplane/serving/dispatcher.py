@@ -608,7 +608,7 @@ class AppDispatcher:
         self._enqueue(request, 0, list(range(n)), now)
         return future
 
-    def refuse_early(self, received_s: float | None = None) -> None:
+    def refuse_early(self, received_s: float | None = None, *, plain: bool = False) -> bool:
         """Raise the :class:`~controlplane.errors.OverloadedError` that :meth:`submit` would
         raise now for a query of one sample (recorded as that refusal would be); nothing, and
         nothing recorded, when such a query would be admitted, or refused for another reason,
@@ -621,29 +621,48 @@ class AppDispatcher:
         which the API makes before it reads and decodes a body
         (:mod:`controlplane.api.fast_infer`). Past saturation most queries are refused, and a
         refusal that had decoded its body cost the serving loop about what an answer costs,
-        which it took from the queries it serves."""
+        which it took from the queries it serves.
+
+        A model-less query runs under the variant its requirements pick, which its body says
+        (one for the large model alone had been refused here at the tiny model's full queue).
+        Where the app had one in the last :data:`MODEL_LESS_MEMORY_S`, a query the gears refuse
+        that a variant would admit is not refused yet: True says so, and the caller asks again
+        with ``plain`` once the body shows no requirements (``plain``: the query is known to
+        carry none, a ``/v2`` query's or a body read: the gears alone judge it). False
+        otherwise."""
         if self._closed or not self.settings.admission:
-            return
+            return False
         if not any(stage.queued_samples for stage in self._stages.values()):
             # Nothing queued: the common case below saturation, where submit judges the query
             # anyway (a wait for busy instances alone is left to it: rare, and not refused early).
-            return
+            return False
         gear = self.current_gear()
         try:
             self._check_serving(gear.cascade)
         except NoServingInstanceError:
-            return  # submit answers that (503), with the query's own size
-        # A model-less query runs under the variant its requirements pick, which its body says:
-        # where the app got one lately, every variant must refuse too (one for the large model
-        # alone had been refused at the tiny model's full queue, under the gear's cascades).
-        variants = self.clock_s() - self._model_less_s <= MODEL_LESS_MEMORY_S
+            return False  # submit answers that (503), with the query's own size
+        model_less = not plain and self.clock_s() - self._model_less_s <= MODEL_LESS_MEMORY_S
         try:
-            self._admit(gear, 1, by_every_gear=True, and_variants=variants)
+            self._admit(gear, 1, by_every_gear=True, record=not model_less)
         except OverloadedError as error:
             now = self.clock_s()
+            if model_less:
+                if self._a_variant_admits(gear, now):
+                    return True
+                self._admit(gear, 1, by_every_gear=True)  # the same refusal, recorded
             self.observations.arrival(self.app, now)
             self._ended_at_entry(error, now, now if received_s is None else min(received_s, now))
             raise
+        return False
+
+    def _a_variant_admits(self, gear: ServingGear, now: float) -> bool:
+        """Whether a query of one sample would be admitted under one of the variants a
+        model-less query may be given now."""
+        slo_ms = self.config.slo_ms
+        return any(
+            decide(self.variants.loads(cascade, 1, gear, now), slo_ms).admitted
+            for cascade in self.variants.cascades(gear)
+        )
 
     def _ended_at_entry(self, error: ServingError, now: float, arrival_s: float) -> None:
         """Record a query that ``error`` ended on its way in (its arrival recorded already)."""
@@ -676,7 +695,7 @@ class AppDispatcher:
         *,
         by_every_gear: bool = False,
         chosen: Cascade | None = None,
-        and_variants: bool = False,
+        record: bool = True,
     ) -> None:
         """Admission for a query of ``samples`` samples under ``gear`` (raises the
         :class:`~controlplane.errors.OverloadedError` that refuses it), judged under the gear of
@@ -684,9 +703,8 @@ class AppDispatcher:
         candidate refuses (:meth:`refuse_early`). ``chosen``: the cascade a model-less query's
         variant choice gave it, the only one it runs under, so the only one judged (judged
         under the gear's candidates, a query for the large model alone was refused at the
-        tiny model's queue, and its refusal marked tiny overloaded). ``and_variants``: every
-        variant a model-less query may be given is a candidate too (:meth:`refuse_early` for an
-        app that gets model-less queries)."""
+        tiny model's queue, and its refusal marked tiny overloaded). ``record``: a refusal marks
+        the models it was judged at (False: a first look, :meth:`refuse_early`'s)."""
         queued = sum(s.queued_samples for s in self._stages.values())
         if queued + samples > self.settings.max_queued_samples:
             raise OverloadedError(self.app, math.inf, self.config.slo_ms, 1)
@@ -696,8 +714,6 @@ class AppDispatcher:
             candidates = [gear.cascade, self.config.cascade]
             if gear.cheapest is not None and all(m in self._stages for m in gear.cheapest.models):
                 candidates.append(gear.cheapest)
-            if and_variants:
-                candidates.extend(self.variants.cascades(gear))
         now = self.clock_s()
         loads = {c: self.variants.loads(c, samples, gear, now) for c in dict.fromkeys(candidates)}
         cascade, best = min(loads.items(), key=lambda item: predicted_latency_ms(item[1]))
@@ -711,7 +727,7 @@ class AppDispatcher:
         # every sample reaches. A later stage a share of the samples would have reached did not
         # refuse it (marked too, a cascade's medium model read as overloaded at 8 qps of its 80
         # for refusals made at its first model's queue).
-        for i in judged_positions(best):
+        for i in judged_positions(best) if record else ():
             load = best[i]
             reached = load.reach_share * samples
             self.tracker.refused((self.app, cascade.models[i]), now, reached, load.capacity_sps)

@@ -342,15 +342,19 @@ class ServingLoop:
             app, inputs, sample_ids, requirements, received, deadline_s
         )
 
-    def refuse_early(self, app: str, received_s: float | None = None) -> None:
+    def refuse_early(
+        self, app: str, received_s: float | None = None, *, plain: bool = False
+    ) -> bool:
         """Raise the :class:`~controlplane.errors.OverloadedError` that a query of one sample
-        for ``app`` would meet now (:meth:`AppDispatcher.refuse_early`), before its body is read;
-        nothing where that cannot be told yet: no dispatcher made for the app, a rollout moving
-        its traffic (its version decides which dispatcher judges the query)."""
+        for ``app`` would meet now (:meth:`AppDispatcher.refuse_early`, which says what
+        ``plain`` and the answer mean: True, ask again with ``plain`` once the body shows no
+        requirements), before its body is read; nothing where that cannot be told yet: no
+        dispatcher made for the app, a rollout moving its traffic (its version decides which
+        dispatcher judges the query)."""
         dispatcher = self._dispatchers.get(app)
         if dispatcher is None or (self.routes is not None and self.routes(app) is not None):
-            return
-        dispatcher.refuse_early(received_s)
+            return False
+        return dispatcher.refuse_early(received_s, plain=plain)
 
     async def infer_on_spec_version(
         self,

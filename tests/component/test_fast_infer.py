@@ -23,6 +23,7 @@ import pytest
 
 from controlplane.api.fast_infer import MAX_PENDING_CHECKS, TokenCheck, plain_body
 from controlplane.db.store import Principal
+from controlplane.errors import OverloadedError
 from tests.component.test_serving import (
     LARGE,
     SMALL,
@@ -361,6 +362,41 @@ def test_admissions_refusal_is_the_routes_429_on_both_protocols(tmp_path: Path) 
     assert shapes["/v2 fast path"] == shapes["/v2 route"]
     assert shapes["/v1 fast path"][3] == (("code", "field", "message"), "overloaded", None)
     assert shapes["/v2 fast path"][3] is None  # the protocol's {"error": "..."}
+
+
+def test_a_body_without_requirements_is_judged_again_by_the_gears_before_it_is_parsed(
+    world: ApiWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where only a variant a model-less query may be given would admit a query (the serving
+    loop's early check says to ask again once the body is read), a ``/v1`` body that holds no
+    ``requirements`` is judged again by the gears alone (``plain``) and refused (429) before it
+    is parsed, a malformed one too; one that holds them goes on to the route, which serves it
+    at its variant."""
+    asked: list[bool] = []
+
+    def refuse_early(app: str, received_s: float | None = None, *, plain: bool = False) -> bool:
+        asked.append(plain)
+        if plain:
+            raise OverloadedError(app, predicted_ms=900.0, slo_ms=300.0, retry_after_s=1)
+        return True
+
+    async def body(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
+        world.instances.set("demo", endpoints(await fleet([SMALL, LARGE])))
+        monkeypatch.setattr(world.serving, "refuse_early", refuse_early)
+        headers = {**world.auth(), "Content-Type": "application/json"}
+        malformed = await client.post(URL, content=b"{not json", headers=headers)
+        needs = {"latency_ms": 60_000.0}
+        model_less = await client.post(
+            URL, json={"inputs": [row(3, 0.9)], "requirements": needs}, headers=world.auth()
+        )
+        return malformed, model_less
+
+    malformed, model_less = api_run(world, body)
+    assert malformed.status_code == 429, malformed.text
+    assert malformed.json()["error"]["code"] == "overloaded"
+    assert model_less.status_code == 200, model_less.text
+    assert model_less.json()["outputs"] == [3]
+    assert asked == [False, True, False]
 
 
 def test_plain_bodies() -> None:

@@ -581,8 +581,10 @@ def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> Non
     """The API's early refusal (before a body is read) judged a query under the gear's cascades
     alone: with the tiny model's queue full, a model-less query for the large model alone,
     whose queue was empty, was refused 429 before its requirements were read. Once the app has
-    had a model-less query, a query is refused early only when every variant refuses it too;
-    until then the gear's cascades decide, as before."""
+    had a model-less query, a query the gears refuse and a variant admits is not refused
+    before its body: the check says to ask again once the body shows no requirements
+    (``plain``), and then the gears refuse it; where every variant refuses too, it is refused
+    at once. Until the app's first model-less query the gears decide, as before."""
 
     async def scenario() -> None:
         workers = await fleet([SMALL, LARGE])
@@ -608,7 +610,11 @@ def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> Non
             dispatcher.refuse_early()
         needs = Requirements("demo", latency_ms=10.0)
         assert dispatcher.choose_variant(needs, 1).models == ("large",)
-        dispatcher.refuse_early()  # large alone admits it: not refused before its body
+        refused_before = dispatcher.observations.totals()["demo"].refused
+        assert dispatcher.refuse_early() is True  # large alone admits it: ask again once read
+        assert dispatcher.observations.totals()["demo"].refused == refused_before
+        with pytest.raises(OverloadedError):  # a body without requirements: the gears refuse
+            dispatcher.refuse_early(plain=True)
         answer = await dispatcher.infer([row(5, 0.9)], requirements=needs)
         assert answer.models == ("large",)
         workers[1].holding = True  # large's worker holds too: its queue fills
