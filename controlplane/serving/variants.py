@@ -41,7 +41,7 @@ from controlplane.policies.variants import (
     choose,
     offer_text,
 )
-from controlplane.serving.admission import StageLoad, predicted_latency_ms
+from controlplane.serving.admission import StageLoad, predicted_latency_ms, wait_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.stages import LatencyTable, ServingStage
 from controlplane.serving.states import StateTracker, is_overloaded
@@ -253,7 +253,7 @@ class AppVariants:
         choice = choose(requirements, [option for option, _ in options])
         if choice.met:
             return next(c for option, c in options if option is choice.option)
-        queued = self._queued_choice(requirements, served, now_s)
+        queued = self._queued_choice(requirements, served, samples, gear, now_s)
         if queued is not None:
             return queued
         raise RequirementsUnmetError(app, choice.message, choice.option.name)
@@ -262,6 +262,8 @@ class AppVariants:
         self,
         requirements: Requirements,
         served: Sequence[tuple[VariantOption, Cascade]],
+        samples: int,
+        gear: ServingGear,
         now_s: float,
     ) -> Cascade | None:
         """The cheapest served variant that is *overloaded* or *interfered* only and otherwise
@@ -273,7 +275,7 @@ class AppVariants:
         counts) instead of a 422 ``requirements_unmet`` that says not to try again. So is
         interference, a verdict on the instances of the moment (the dispatcher serves the
         model on them while it has no other): an interfered variant is judged at its latency
-        as slowed (:meth:`_slowdown`), so a bound only its profiles meet is still unmet.
+        as slowed (:meth:`_slowed_ms`), so a bound only its profiles meet is still unmet.
         ``None``: no such variant."""
         queued = [
             (option, c)
@@ -288,7 +290,7 @@ class AppVariants:
                 replace(
                     option,
                     state="active",
-                    predicted_latency_ms=option.predicted_latency_ms * self._slowdown(c, now_s),
+                    predicted_latency_ms=self._slowed_ms(c, samples, gear, now_s),
                 )
                 if option.state == "interfered"
                 else replace(option, state="active"),
@@ -301,25 +303,28 @@ class AppVariants:
             return None
         return next(c for option, c in as_active if option is choice.option)
 
-    def _slowdown(self, cascade: Cascade, now_s: float) -> float:
-        """How much slower than their profiles the instances serving ``cascade`` are now: per
-        stage it reaches, the least median measured / profiled ratio of its healthy workers (1
-        where one of them is not interfered: the dispatcher serves on that one), the largest
-        over the stages; at least 1."""
-        _, reach = self.reach(cascade)
+    def _slowed_ms(self, cascade: Cascade, samples: int, gear: ServingGear, now_s: float) -> float:
+        """The latency :func:`~controlplane.serving.admission.predicted_latency_ms` predicts for
+        ``cascade``, each stage's part (its wait and its service) times how much slower than
+        its profile the stage serves now (:meth:`_slowdown`)."""
+        total = 0.0
+        loads = self.loads(cascade, samples, gear, now_s)
+        for model, load in zip(cascade.models, loads, strict=True):
+            if load.reach_share > 0:
+                total += (wait_ms([load]) + load.service_ms) * self._slowdown(model, now_s)
+        return total
+
+    def _slowdown(self, model: str, now_s: float) -> float:
+        """How much slower than its profile ``model``'s stage serves now: the least median
+        measured / profiled ratio of its healthy workers, 1 where one of them is not interfered
+        (the dispatcher serves on that one) or none is healthy; at least 1."""
         tracker = self.tracker
-        worst = 1.0
-        for model, share in zip(cascade.models, reach, strict=True):
-            if share <= 0:
+        least = math.inf
+        for slot in self.stages[model].slots:
+            if not slot.worker.healthy:
                 continue
-            least = math.inf
-            for slot in self.stages[model].slots:
-                if not slot.worker.healthy:
-                    continue
-                instance = slot.worker.instance_id
-                ratios = tracker.ratios(model, instance, now_s)
-                interfered = tracker.interfered(model, instance, now_s)
-                least = min(least, statistics.median(ratios) if interfered else 1.0)
-            if math.isfinite(least):
-                worst = max(worst, least)
-        return worst
+            instance = slot.worker.instance_id
+            if not tracker.interfered(model, instance, now_s):
+                return 1.0
+            least = min(least, statistics.median(tracker.ratios(model, instance, now_s)))
+        return max(least, 1.0) if math.isfinite(least) else 1.0

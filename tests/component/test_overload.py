@@ -577,6 +577,40 @@ def test_a_model_less_query_whose_variant_is_interfered_is_served_at_its_slowed_
     run(scenario())
 
 
+def test_an_interfered_stage_slows_its_own_part_of_a_cascades_latency() -> None:
+    """An interfered variant's latency is judged as slowed stage by stage: in a cascade whose
+    first model measures 20 times its profile on every instance and whose second does not,
+    only the first model's part is stretched (the whole had been multiplied by the worst
+    stage's slowdown, so a bound the slowed cascade meets was refused 422)."""
+
+    async def scenario() -> None:
+        workers = await fleet([SMALL, LARGE])
+        dispatcher = AppDispatcher(
+            config(), HttpWorkerTransport(), Observations(), settings=DispatcherSettings()
+        )
+        dispatcher.set_workers(endpoints(workers))
+        now = dispatcher.clock_s()
+        for instance in ("i-0", "i-1"):  # the tracker's least evidence: 5 batches each
+            for _ in range(5):
+                dispatcher.tracker.observe("tiny", instance, now, 20.0, 1.0)
+        options = {c.label: (option, c) for option, c in dispatcher.variant_options()}
+        (cascade,) = [c for _, c in options.values() if len(c.models) == 2]
+        assert options[cascade.label][0].state == "interfered"
+        assert options["large"][0].state == "active"
+        variants, gear = dispatcher.variants, dispatcher.current_gear()
+        assert variants._slowdown("tiny", now) == 20.0
+        assert variants._slowdown("large", now) == 1.0
+        tiny_ms = options["tiny"][0].predicted_latency_ms
+        large_ms = options["large"][0].predicted_latency_ms
+        assert variants._slowed_ms(options["tiny"][1], 1, gear, now) == pytest.approx(20 * tiny_ms)
+        slowed = variants._slowed_ms(cascade, 1, gear, now)
+        assert options[cascade.label][0].predicted_latency_ms == pytest.approx(tiny_ms + large_ms)
+        assert slowed == pytest.approx(20 * tiny_ms + large_ms)
+        await dispatcher.close()
+
+    run(scenario())
+
+
 def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> None:
     """The API's early refusal (before a body is read) judged a query under the gear's cascades
     alone: with the tiny model's queue full, a model-less query for the large model alone,
