@@ -577,6 +577,26 @@ def test_a_model_less_query_whose_variant_is_interfered_is_served_at_its_slowed_
     run(scenario())
 
 
+async def tiny_held_beside_large(**knobs: Any) -> tuple[list[FakeWorker], AppDispatcher]:
+    """tiny on one worker that answers nothing until released and large on another, admission
+    on under an SLO of 20 ms; ``knobs``: the dispatcher's other arguments (its clock)."""
+    workers = await fleet([SMALL, LARGE])
+    workers[0].holding = True
+    plan = {
+        "tiny": StagePlan("tiny", Fleet.of({SMALL: 1}), 1),
+        "large": StagePlan("large", Fleet.of({LARGE: 1}), 1),
+    }
+    dispatcher = AppDispatcher(
+        config(stage_plans=plan, slo_ms=20.0),
+        HttpWorkerTransport(),
+        Observations(),
+        settings=DispatcherSettings(admission=True),
+        **knobs,
+    )
+    dispatcher.set_workers(endpoints(workers))
+    return workers, dispatcher
+
+
 def test_an_interfered_stage_slows_its_own_part_of_a_cascades_latency() -> None:
     """An interfered variant's latency is judged as slowed stage by stage: in a cascade whose
     first model measures 20 times its profile on every instance and whose second does not,
@@ -621,20 +641,8 @@ def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> Non
     at once. Until the app's first model-less query the gears decide, as before."""
 
     async def scenario() -> None:
-        workers = await fleet([SMALL, LARGE])
-        workers[0].holding = True  # tiny's worker answers nothing until released
-        plan = {
-            "tiny": StagePlan("tiny", Fleet.of({SMALL: 1}), 1),
-            "large": StagePlan("large", Fleet.of({LARGE: 1}), 1),
-        }
-        dispatcher = AppDispatcher(
-            config(stage_plans=plan, slo_ms=20.0),
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=True),
-            clock_s=lambda: 1000.0,  # still: the queues' waits do not drain between checks
-        )
-        dispatcher.set_workers(endpoints(workers))
+        # A still clock: the queues' waits do not drain between checks.
+        workers, dispatcher = await tiny_held_beside_large(clock_s=lambda: 1000.0)
         queued: list[asyncio.Future[InferResult]] = []
         tiny, large = Cascade(("tiny",), ()), Cascade(("large",), ())
         with pytest.raises(OverloadedError):  # tiny's queue fills to what the SLO drains
@@ -676,19 +684,7 @@ def test_a_model_less_query_is_admitted_at_its_variants_queue_not_the_gears() ->
     the variant it runs under."""
 
     async def scenario() -> None:
-        workers = await fleet([SMALL, LARGE])
-        workers[0].holding = True  # tiny's worker answers nothing until released
-        plan = {
-            "tiny": StagePlan("tiny", Fleet.of({SMALL: 1}), 1),
-            "large": StagePlan("large", Fleet.of({LARGE: 1}), 1),
-        }
-        dispatcher = AppDispatcher(
-            config(stage_plans=plan, slo_ms=20.0),
-            HttpWorkerTransport(),
-            Observations(),
-            settings=DispatcherSettings(admission=True),
-        )
-        dispatcher.set_workers(endpoints(workers))
+        workers, dispatcher = await tiny_held_beside_large()
         queued: list[asyncio.Future[InferResult]] = []
         with pytest.raises(OverloadedError):  # tiny's queue fills to what the SLO drains
             for _ in range(100):
