@@ -86,6 +86,7 @@ by :mod:`controlplane.serving.loop` in threads). The configuration types (:class
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import itertools
@@ -649,7 +650,8 @@ class AppDispatcher:
             if model_less:
                 if self._a_variant_admits(gear, now):
                     return True
-                self._admit(gear, 1, by_every_gear=True)  # the same refusal, recorded
+                with contextlib.suppress(OverloadedError):  # the same refusal: its signs
+                    self._admit(gear, 1, by_every_gear=True)  # recorded, the query's below
             self.observations.arrival(self.app, now)
             self._ended_at_entry(error, now, now if received_s is None else min(received_s, now))
             raise

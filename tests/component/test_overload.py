@@ -666,8 +666,10 @@ def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> Non
         with pytest.raises(OverloadedError):  # tiny's again, at this moment
             for _ in range(100):
                 queued.append(dispatcher.submit([row(1, 0.9)], cascade=tiny))
-        with pytest.raises(OverloadedError):  # every variant refuses it now
+        refused_before = dispatcher.observations.totals()["demo"].refused
+        with pytest.raises(OverloadedError):  # every variant refuses it now, recorded once
             dispatcher.refuse_early()
+        assert dispatcher.observations.totals()["demo"].refused == refused_before + 1
         for worker in workers:
             worker.release()
         await settle(queued)
