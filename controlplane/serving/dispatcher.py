@@ -659,7 +659,11 @@ class AppDispatcher:
 
     def _a_variant_admits(self, gear: ServingGear, now: float) -> bool:
         """Whether a query of one sample would be admitted under one of the variants a
-        model-less query may be given now."""
+        model-less query may be given now: none at the cap on queued samples, which
+        :meth:`_admit` refuses under any cascade."""
+        queued = sum(s.queued_samples for s in self._stages.values())
+        if queued + 1 > self.settings.max_queued_samples:
+            return False
         slo_ms = self.config.slo_ms
         return any(
             decide(self.variants.loads(cascade, 1, gear, now), slo_ms).admitted

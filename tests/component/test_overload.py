@@ -579,7 +579,8 @@ def test_a_model_less_query_whose_variant_is_interfered_is_served_at_its_slowed_
 
 async def tiny_held_beside_large(**knobs: Any) -> tuple[list[FakeWorker], AppDispatcher]:
     """tiny on one worker that answers nothing until released and large on another, admission
-    on under an SLO of 20 ms; ``knobs``: the dispatcher's other arguments (its clock)."""
+    on under an SLO of 20 ms; ``knobs``: the dispatcher's other arguments (its clock, its
+    settings)."""
     workers = await fleet([SMALL, LARGE])
     workers[0].holding = True
     plan = {
@@ -590,8 +591,7 @@ async def tiny_held_beside_large(**knobs: Any) -> tuple[list[FakeWorker], AppDis
         config(stage_plans=plan, slo_ms=20.0),
         HttpWorkerTransport(),
         Observations(),
-        settings=DispatcherSettings(admission=True),
-        **knobs,
+        **{"settings": DispatcherSettings(admission=True), **knobs},
     )
     dispatcher.set_workers(endpoints(workers))
     return workers, dispatcher
@@ -672,6 +672,33 @@ def test_after_a_model_less_query_an_early_refusal_weighs_every_variant() -> Non
         assert dispatcher.observations.totals()["demo"].refused == refused_before + 1
         for worker in workers:
             worker.release()
+        await settle(queued)
+        await dispatcher.close()
+
+    run(scenario())
+
+
+def test_after_a_model_less_query_the_cap_on_queued_samples_is_refused_before_the_body() -> None:
+    """The cap on queued samples refuses a query whatever variant it runs under: after a
+    model-less query, a query met at the cap was not refused before its body (the early check
+    asked for it again once read, as if a variant would admit it, and a model-less body was
+    parsed by the route to be refused there). It is refused at once, recorded once."""
+
+    async def scenario() -> None:
+        settings = DispatcherSettings(admission=True, max_queued_samples=3)
+        workers, dispatcher = await tiny_held_beside_large(
+            clock_s=lambda: 1000.0, settings=settings
+        )
+        tiny, large = Cascade(("tiny",), ()), Cascade(("large",), ())
+        queued = [dispatcher.submit([row(1, 0.9)], cascade=tiny) for _ in range(3)]
+        dispatcher.choose_variant(Requirements("demo", latency_ms=10.0), 1)  # a model-less query
+        with pytest.raises(OverloadedError):  # large's queue is empty: the cap refuses it
+            dispatcher.submit([row(5, 0.9)], cascade=large)
+        refused_before = dispatcher.observations.totals()["demo"].refused
+        with pytest.raises(OverloadedError):
+            dispatcher.refuse_early()
+        assert dispatcher.observations.totals()["demo"].refused == refused_before + 1
+        workers[0].release()
         await settle(queued)
         await dispatcher.close()
 
