@@ -680,6 +680,7 @@ def attach(
     *,
     max_connections: int | None = None,
     handshake_s: float | None = None,
+    idle_s: float | None = None,
 ) -> Listener:
     """Serve the protocol over gRPC on ``host:port`` (0: a free port) while ``app`` runs: the
     server starts in the app's lifespan, after what the lifespan starts (the serving loop), and
@@ -692,9 +693,9 @@ def attach(
     ``max_connections`` open (default: the setting ``grpc_connections_max``; grpc's core closes
     one more as it accepts it, before any byte is read), each to finish its handshake (the
     client's HTTP/2 preface) within ``handshake_s`` (default: ``http_head_timeout_s``, REST's
-    time for a request head) and closed once it has had no call for ``http_keep_alive_s``
-    (REST's idle keep-alive; a client reconnects on its next call). A connection that opened
-    and never spoke held a slot forever."""
+    time for a request head) and closed once it has had no call for ``idle_s`` (default:
+    ``http_keep_alive_s``, REST's idle keep-alive; a client reconnects on its next call). A
+    connection that opened and never spoke held a slot forever."""
     listener = Listener(host)
     inner = app.router.lifespan_context
 
@@ -707,6 +708,7 @@ def attach(
                 settings.grpc_connections_max if max_connections is None else max_connections
             )
             handshake = settings.http_head_timeout_s if handshake_s is None else handshake_s
+            idle = settings.http_keep_alive_s if idle_s is None else idle_s
             server = aio.server(
                 options=[
                     # Another process on the port is an error, not a second listener.
@@ -715,7 +717,7 @@ def attach(
                     ("grpc.max_send_message_length", max_message_bytes),
                     ("grpc.max_allowed_incoming_connections", min(connections, _GRPC_INT_MAX - 1)),
                     ("grpc.server_handshake_timeout_ms", _grpc_ms(handshake)),
-                    ("grpc.max_connection_idle_ms", _grpc_ms(settings.http_keep_alive_s)),
+                    ("grpc.max_connection_idle_ms", _grpc_ms(idle)),
                 ]
             )
             service = GrpcOip(services, max_message_bytes, max_calls)

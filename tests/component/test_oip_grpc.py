@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -370,6 +371,13 @@ def quick_handshake(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str
         yield held
 
 
+@pytest.fixture
+def quick_idle(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
+    """:func:`held`'s, with a gRPC connection closed after half a second without a call."""
+    with _hung(world, idle_s=0.5) as held:
+        yield held
+
+
 def _hold(world: ApiWorld, **settings: Any) -> None:
     world.serving.settings = dataclasses.replace(
         world.serving.settings,
@@ -571,6 +579,34 @@ def test_settings_past_grpcs_int_still_serve_grpc(world: ApiWorld) -> None:
     world.app.state.services = dataclasses.replace(services, settings=settings)
     with _hung(world) as (_world, _worker, address, _url):
         assert _live(address)
+
+
+def test_a_client_whose_idle_connection_was_closed_calls_again_on_a_new_one(
+    quick_idle: tuple[ApiWorld, FakeWorker, str, str],
+) -> None:
+    """The server closes a connection that has had no call for ``http_keep_alive_s`` (here half
+    a second): its client's channel goes idle and its next call opens a new connection and is
+    answered, not refused."""
+    _world, _worker, address, _url = quick_idle
+    states: list[grpc.ChannelConnectivity] = []
+    idle = threading.Event()
+
+    def seen(state: grpc.ChannelConnectivity) -> None:
+        states.append(state)
+        if grpc.ChannelConnectivity.READY in states and state == grpc.ChannelConnectivity.IDLE:
+            idle.set()
+
+    with grpc.insecure_channel(address) as channel:
+        live = channel.unary_unary(
+            f"/{SERVICE}/ServerLive",
+            request_serializer=pb.ServerLiveRequest.SerializeToString,
+            response_deserializer=pb.ServerLiveResponse.FromString,
+        )
+        channel.subscribe(seen)
+        assert live(pb.ServerLiveRequest(), timeout=30.0).live
+        assert idle.wait(20.0), f"the idle connection was never closed: {states}"
+        assert live(pb.ServerLiveRequest(), timeout=30.0).live
+        channel.unsubscribe(seen)
 
 
 def test_calls_past_the_cap_are_resource_exhausted_and_the_server_serves_on(
