@@ -86,7 +86,6 @@ by :mod:`controlplane.serving.loop` in threads). The configuration types (:class
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import heapq
 import itertools
@@ -644,26 +643,18 @@ class AppDispatcher:
             return False  # submit answers that (503), with the query's own size
         model_less = not plain and self.clock_s() - self._model_less_s <= MODEL_LESS_MEMORY_S
         try:
-            self._admit(gear, 1, by_every_gear=True, record=not model_less)
+            return self._admit(
+                gear, 1, by_every_gear=True, spare=self._a_variant_admits if model_less else None
+            )
         except OverloadedError as error:
             now = self.clock_s()
-            if model_less:
-                if self._a_variant_admits(gear, now):
-                    return True
-                with contextlib.suppress(OverloadedError):  # the same refusal: its signs
-                    self._admit(gear, 1, by_every_gear=True)  # recorded, the query's below
             self.observations.arrival(self.app, now)
             self._ended_at_entry(error, now, now if received_s is None else min(received_s, now))
             raise
-        return False
 
     def _a_variant_admits(self, gear: ServingGear, now: float) -> bool:
         """Whether a query of one sample would be admitted under one of the variants a
-        model-less query may be given now: none at the cap on queued samples, which
-        :meth:`_admit` refuses under any cascade."""
-        queued = sum(s.queued_samples for s in self._stages.values())
-        if queued + 1 > self.settings.max_queued_samples:
-            return False
+        model-less query may be given now."""
         slo_ms = self.config.slo_ms
         return any(
             decide(self.variants.loads(cascade, 1, gear, now), slo_ms).admitted
@@ -701,16 +692,17 @@ class AppDispatcher:
         *,
         by_every_gear: bool = False,
         chosen: Cascade | None = None,
-        record: bool = True,
-    ) -> None:
+        spare: Callable[[ServingGear, float], bool] | None = None,
+    ) -> bool:
         """Admission for a query of ``samples`` samples under ``gear`` (raises the
         :class:`~controlplane.errors.OverloadedError` that refuses it), judged under the gear of
         least predicted latency among the candidates; ``by_every_gear``: refused only when every
         candidate refuses (:meth:`refuse_early`). ``chosen``: the cascade a model-less query's
         variant choice gave it, the only one it runs under, so the only one judged (judged
         under the gear's candidates, a query for the large model alone was refused at the
-        tiny model's queue, and its refusal marked tiny overloaded). ``record``: a refusal marks
-        the models it was judged at (False: a first look, :meth:`refuse_early`'s)."""
+        tiny model's queue, and its refusal marked tiny overloaded). ``spare``: asked before a
+        refusal by the candidates (not at the cap on queued samples), which it turns into True,
+        nothing recorded (:meth:`refuse_early`: a variant would admit it); else False, admitted."""
         queued = sum(s.queued_samples for s in self._stages.values())
         if queued + samples > self.settings.max_queued_samples:
             raise OverloadedError(self.app, math.inf, self.config.slo_ms, 1)
@@ -728,12 +720,14 @@ class AppDispatcher:
             by_every_gear
             and any(decide(load, self.config.slo_ms).admitted for load in loads.values())
         ):
-            return
+            return False
+        if spare is not None and spare(gear, now):
+            return True
         # An overload sign for each model admission judged the query on (states.py): those
         # every sample reaches. A later stage a share of the samples would have reached did not
         # refuse it (marked too, a cascade's medium model read as overloaded at 8 qps of its 80
         # for refusals made at its first model's queue).
-        for i in judged_positions(best) if record else ():
+        for i in judged_positions(best):
             load = best[i]
             reached = load.reach_share * samples
             self.tracker.refused((self.app, cascade.models[i]), now, reached, load.capacity_sps)
