@@ -357,27 +357,6 @@ def capped(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
         yield held
 
 
-@pytest.fixture
-def two_connections(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
-    """:func:`held`'s, with at most two gRPC connections."""
-    with _hung(world, max_connections=2) as held:
-        yield held
-
-
-@pytest.fixture
-def quick_handshake(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
-    """:func:`held`'s, with a gRPC connection's handshake to be done within half a second."""
-    with _hung(world, handshake_s=0.5) as held:
-        yield held
-
-
-@pytest.fixture
-def quick_idle(world: ApiWorld) -> Iterator[tuple[ApiWorld, FakeWorker, str, str]]:
-    """:func:`held`'s, with a gRPC connection closed after half a second without a call."""
-    with _hung(world, idle_s=0.5) as held:
-        yield held
-
-
 def _hold(world: ApiWorld, **settings: Any) -> None:
     world.serving.settings = dataclasses.replace(
         world.serving.settings,
@@ -528,39 +507,39 @@ def _live(address: str) -> bool:
 
 
 def test_connections_past_the_cap_are_closed(
-    two_connections: tuple[ApiWorld, FakeWorker, str, str],
+    world: ApiWorld,
 ) -> None:
     """gRPC's connections were not capped (REST caps those without a token): a client could
     open connections until the process ran out of descriptors. At most
     ``grpc_connections_max`` are open: with two connections holding both places, a client's
     call on a new one is ``UNAVAILABLE``; once one of them closes, the server serves again."""
-    _world, _worker, address, _url = two_connections
-    host, port = address.split(":")
-    held = [socket.create_connection((host, int(port))) for _ in range(2)]
-    try:
-        with pytest.raises(InferenceServerException) as refused:
-            grpcclient.InferenceServerClient(address).is_server_live(client_timeout=10.0)
-        assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value.message()
-        held.pop().close()
-        _until("the server never served again", lambda: _live(address))
-    finally:
-        for connection in held:
-            connection.close()
+    with _hung(world, max_connections=2) as (_world, _worker, address, _url):
+        host, port = address.split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            with pytest.raises(InferenceServerException) as refused:
+                grpcclient.InferenceServerClient(address).is_server_live(client_timeout=10.0)
+            assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value.message()
+            held.pop().close()
+            _until("the server never served again", lambda: _live(address))
+        finally:
+            for connection in held:
+                connection.close()
 
 
 def test_a_connection_that_never_speaks_is_closed_after_the_handshake_time(
-    quick_handshake: tuple[ApiWorld, FakeWorker, str, str],
+    world: ApiWorld,
 ) -> None:
     """A connection that opened and sent nothing held its place for good; it is closed once the
     handshake time has passed (``http_head_timeout_s``, REST's time for a request head; here
     half a second), and the server serves on."""
-    _world, _worker, address, _url = quick_handshake
-    host, port = address.split(":")
-    with socket.create_connection((host, int(port))) as silent:
-        silent.settimeout(20.0)
-        while silent.recv(4096):  # the server's preface, then the end of the connection
-            pass
-    assert _live(address)
+    with _hung(world, handshake_s=0.5) as (_world, _worker, address, _url):
+        host, port = address.split(":")
+        with socket.create_connection((host, int(port))) as silent:
+            silent.settimeout(20.0)
+            while silent.recv(4096):  # the server's preface, then the end of the connection
+                pass
+        assert _live(address)
 
 
 def test_settings_past_grpcs_int_still_serve_grpc(world: ApiWorld) -> None:
@@ -582,31 +561,31 @@ def test_settings_past_grpcs_int_still_serve_grpc(world: ApiWorld) -> None:
 
 
 def test_a_client_whose_idle_connection_was_closed_calls_again_on_a_new_one(
-    quick_idle: tuple[ApiWorld, FakeWorker, str, str],
+    world: ApiWorld,
 ) -> None:
     """The server closes a connection that has had no call for ``http_keep_alive_s`` (here half
     a second): its client's channel goes idle and its next call opens a new connection and is
     answered, not refused."""
-    _world, _worker, address, _url = quick_idle
-    states: list[grpc.ChannelConnectivity] = []
-    idle = threading.Event()
+    with _hung(world, idle_s=0.5) as (_world, _worker, address, _url):
+        states: list[grpc.ChannelConnectivity] = []
+        idle = threading.Event()
 
-    def seen(state: grpc.ChannelConnectivity) -> None:
-        states.append(state)
-        if grpc.ChannelConnectivity.READY in states and state == grpc.ChannelConnectivity.IDLE:
-            idle.set()
+        def seen(state: grpc.ChannelConnectivity) -> None:
+            states.append(state)
+            if grpc.ChannelConnectivity.READY in states and state == grpc.ChannelConnectivity.IDLE:
+                idle.set()
 
-    with grpc.insecure_channel(address) as channel:
-        live = channel.unary_unary(
-            f"/{SERVICE}/ServerLive",
-            request_serializer=pb.ServerLiveRequest.SerializeToString,
-            response_deserializer=pb.ServerLiveResponse.FromString,
-        )
-        channel.subscribe(seen)
-        assert live(pb.ServerLiveRequest(), timeout=30.0).live
-        assert idle.wait(20.0), f"the idle connection was never closed: {states}"
-        assert live(pb.ServerLiveRequest(), timeout=30.0).live
-        channel.unsubscribe(seen)
+        with grpc.insecure_channel(address) as channel:
+            live = channel.unary_unary(
+                f"/{SERVICE}/ServerLive",
+                request_serializer=pb.ServerLiveRequest.SerializeToString,
+                response_deserializer=pb.ServerLiveResponse.FromString,
+            )
+            channel.subscribe(seen)
+            assert live(pb.ServerLiveRequest(), timeout=30.0).live
+            assert idle.wait(20.0), f"the idle connection was never closed: {states}"
+            assert live(pb.ServerLiveRequest(), timeout=30.0).live
+            channel.unsubscribe(seen)
 
 
 def test_calls_past_the_cap_are_resource_exhausted_and_the_server_serves_on(
