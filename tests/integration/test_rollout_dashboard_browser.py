@@ -18,12 +18,15 @@ from tests.integration.test_dashboard_browser import (
     Service,
     expect,
     launch,
+    pytestmark,
     service,
     sign_in,
     sync_api,
 )
 
-__all__ = ["service"]  # the fixture, imported for this module's tests
+# The fixture, imported for this module's tests, and the skip without Chromium (the service the
+# fixture starts is not started for a browser that is not there).
+__all__ = ["pytestmark", "service"]
 
 
 def test_the_rollout_panel_shows_state_and_figures_by_version(
