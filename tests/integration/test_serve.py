@@ -24,6 +24,7 @@ import yaml
 
 from controlplane.cli import main
 from controlplane.db.store import Store
+from controlplane.settings import Settings
 from tests.conftest import KAIROS_CSV, needs_shared
 from tests.integration.conftest import free_port, start_on_a_free_port
 
@@ -88,7 +89,20 @@ def data_dir(tmp_path: Path) -> Path:
     return folder
 
 
-def create_token(data_dir: Path, scope: str = "admin", name: str = "ops") -> str:
+def create_token(
+    data_dir: Path, scope: str = "admin", name: str = "ops", *, cli: bool = False
+) -> str:
+    """A token of ``scope`` in the database of the service on ``data_dir``: made by
+    ``heteroplane token create`` as an operator makes it with ``cli``, else written through the
+    store in this process (a second of a core less than the command, which imports the store
+    and its migrations to make it; the command itself is tested here, in
+    :func:`test_serve_survives_a_restart`, and in tests/component/test_cli_db_token.py)."""
+    if not cli:
+        store = Store.from_url(Settings(data_dir=data_dir).database_url, upgrade=True)
+        try:
+            return store.create_token(scope, name=name)
+        finally:
+            store.close()
     done = subprocess.run(
         [sys.executable, "-m", "controlplane", "token", "create", "--scope", scope, "--name", name],
         cwd=REPO,
@@ -121,7 +135,7 @@ HELD_OFF = {"reconcile_s": "86400"}
 def test_serve_survives_a_restart(data_dir: Path, tmp_path: Path) -> None:
     server = Server(data_dir, tmp_path / "serve.log", **HELD_OFF)
     try:
-        token = create_token(data_dir)
+        token = create_token(data_dir, cli=True)
         api = httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {token}"}, timeout=120.0
         )
