@@ -33,11 +33,16 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 # the environment says not to (PYTHONDONTWRITEBYTECODE, below): otherwise the four test processes
 # of a first `make test` compile all of it at once, each for itself (a collection 31 s of a core
 # with nothing compiled, 8.5 s with it: docs/status.md, "The test suite"). A collection error is
-# not the install's: the test run reports it.
+# not the install's: the test run reports it. Beside it, on the other core, numba's kernels are
+# compiled into their cache (python -m estimator.warm, about 20 s of a core): otherwise the first
+# test processes and the services they start each compiled the kernels they used for themselves
+# until one had cached them (about 20 s of a core each). If that fails, the tests compile them.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(PIP_FLAGS) -e '.[test,worker]'
-	@echo "compiling the bytecode of what the tests import (a collection of the suite)"
-	@PYTHONDONTWRITEBYTECODE= $(BIN)/pytest --collect-only -q -p no:cacheprovider > /dev/null 2>&1 || true
+	@echo "compiling the bytecode of what the tests import (a collection of the suite) and the kernels"
+	@$(BIN)/python -m estimator.warm > /dev/null 2>&1 & warm=$$!; \
+	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest --collect-only -q -p no:cacheprovider > /dev/null 2>&1; \
+	wait $$warm || echo "the kernels were not compiled ahead (python -m estimator.warm failed); the tests compile them"
 	@touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
