@@ -25,7 +25,7 @@ from controlplane.apps.plans import PlanRequest, planning_trace, replanning_requ
 from controlplane.apps.resolver import AppResolver, spec_document
 from controlplane.clock import FakeClock
 from controlplane.db import migrate
-from controlplane.db.store import AppRecord, Store
+from controlplane.db.store import AppRecord, PlanRecord, Store
 from controlplane.loops import live_tuner
 from controlplane.loops.live_tuner import LiveTuner
 from controlplane.loops.reconciler import AppPricing, Reconciler
@@ -38,13 +38,14 @@ from controlplane.policies.capacity_curve import (
 from controlplane.policies.pipeline import dispatch_choice
 from controlplane.policies.planner import ServingCapacityError, plan_app, scale_trace
 from controlplane.policies.replay import ladder_tuner
+from controlplane.policies.sizing import SizingLadder
 from controlplane.policies.tuner import TunerStage, ladder_fleet
 from controlplane.service.build import stored_overhead
 from controlplane.serving.loop import load_config
 from controlplane.serving.placement import Placement
 from controlplane.serving.stages import ServingStage
 from controlplane.serving.workers import WorkerEndpoint
-from controlplane.spec import load_spec, resolve_spec, validate_spec
+from controlplane.spec import ResolvedApp, load_spec, resolve_spec, validate_spec
 from matching.kairos import KairosPolicy
 from provisioners.fake import FakeProvisioner
 from tests.unit.test_planner import write_cascade_app
@@ -115,6 +116,29 @@ def applied_plan(store: Store, folder: Path, rate_qps: float, budget: float) -> 
     plan = store.create_plan(APP, document)
     store.apply_plan(APP, plan.id)
     return store.get_app(APP)
+
+
+# The live tuners' sizing ladders by what they are built from (:func:`remembered_ladders`).
+_LADDERS: dict[str, dict[str, SizingLadder]] = {}
+
+
+def remembered_ladders(app: ResolvedApp, plan: PlanRecord) -> dict[str, SizingLadder]:
+    """:func:`controlplane.loops.live_tuner.plan_ladders`, the live tuner's own builder, each
+    distinct ladder built once in this module: tens of plans, deterministic for the plan's seed,
+    and the same app and plan recur across the tests (each restart, each budget a test cuts to).
+    Keyed by all they are built from: the plan's document, the spec with each model's profile
+    file read in place of its path (each test writes them in its own folder), and the measured
+    serving figures. The test that compares the live tuner's ladder with the replay's builds
+    its own."""
+    spec = app.spec.model_dump(mode="json")
+    for model in spec["models"]:
+        if model.get("profiles"):
+            model["profiles"] = Path(model["profiles"]).read_text()
+    serving = [app.serving_overhead_ms, list(app.serving_overhead_quantiles_ms), app.serving_cpu_ms]
+    key = json.dumps([plan.document, spec, serving, dict(app.prices_usd_per_hr)], sort_keys=True)
+    if key not in _LADDERS:
+        _LADDERS[key] = live_tuner.plan_ladders(app, plan)
+    return dict(_LADDERS[key])
 
 
 def target(stage: TunerStage, load: float, budget: float) -> dict[str, int]:
@@ -241,6 +265,7 @@ def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path
         lambda _app: seen[seen <= clock.now_s()],
         resolve,
         submit=lambda work: work(),
+        build_curve=remembered_ladders,
     )
     record = store.get_applied_plan(APP)
     assert record is not None
@@ -349,13 +374,14 @@ def stepped_arrivals(clock: FakeClock, rates: list[tuple[float, float]], _app: s
 
 def stepped_tuner(store: Store, clock: FakeClock, rates: list[tuple[float, float]]) -> LiveTuner:
     """A live tuner on ``clock`` whose arrivals are :func:`stepped_arrivals` at ``rates`` (a list
-    the test appends to), its ladders built at once."""
+    the test appends to), its ladders built at once (remembered: :func:`remembered_ladders`)."""
     return LiveTuner(
         store,
         clock,
         functools.partial(stepped_arrivals, clock, rates),
         resolve,
         submit=lambda work: work(),
+        build_curve=remembered_ladders,
     )
 
 
@@ -400,7 +426,7 @@ def test_a_budget_cut_after_a_mix_change_keeps_the_app_serving_within_it(
         else:
             work()
 
-    tuner = LiveTuner(store, clock, seen, resolve, submit=submit)
+    tuner = LiveTuner(store, clock, seen, resolve, submit=submit, build_curve=remembered_ladders)
     fake, reconciler = small_and_large_fleet(store, clock, tuner)
 
     def within_and_serving() -> None:
@@ -651,7 +677,12 @@ def restarted(
     clock = FakeClock(start_s=1000.0)
     steady = 700.0 + np.arange(int(310 * 5.0)) / 5.0  # 5 qps from 700 s to 1010 s
     before = LiveTuner(
-        store, clock, lambda _app: steady[steady <= clock.now_s()], resolve, submit=lambda w: w()
+        store,
+        clock,
+        lambda _app: steady[steady <= clock.now_s()],
+        resolve,
+        submit=lambda w: w(),
+        build_curve=remembered_ladders,
     )
     fake, reconciler = small_and_large_fleet(store, clock, before)
     reconciler.run_once()
@@ -660,7 +691,12 @@ def restarted(
     assert running and "scale_up" not in [d.kind for d in store.list_decisions(APP)]
     clock.advance(10.0)  # down from 1010 s to 1020 s
     tuner = LiveTuner(
-        store, clock, lambda _app: after(clock.now_s()), resolve, submit=lambda w: w()
+        store,
+        clock,
+        lambda _app: after(clock.now_s()),
+        resolve,
+        submit=lambda w: w(),
+        build_curve=remembered_ladders,
     )
     reconciler = Reconciler(
         store,
@@ -735,7 +771,12 @@ def test_load_after_an_idle_gap_buys_nothing_for_its_opening_burst(
     after = 1131.0 + np.arange(int(60 * 5.0)) / 5.0
     seen = np.sort(np.concatenate([before, burst, after]))
     tuner = LiveTuner(
-        store, clock, lambda _app: seen[seen <= clock.now_s()], resolve, submit=lambda w: w()
+        store,
+        clock,
+        lambda _app: seen[seen <= clock.now_s()],
+        resolve,
+        submit=lambda w: w(),
+        build_curve=remembered_ladders,
     )
     fake, reconciler = small_and_large_fleet(store, clock, tuner)
     reconciler.run_once()
