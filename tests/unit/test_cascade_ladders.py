@@ -6,14 +6,16 @@ cascade forwards queries), so their burstiness is the stream's the stage sees.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import pytest
 
 from controlplane.policies.capacity_curve import LadderStage, build_ladders, cascade_sizing
+from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import parse_plan, replay, thin_planning_arrivals
 from controlplane.policies.sizing import SizingLadder
@@ -39,15 +41,28 @@ def cascade(tmp_path_factory: pytest.TempPathFactory) -> tuple[ResolvedApp, Trac
     return app, poisson_trace(RATE_QPS, queries=QUERIES)
 
 
+@pytest.fixture(scope="module")
+def planned_at(cascade: tuple[ResolvedApp, Trace]) -> Callable[[float], PlanDocument]:
+    """The planner's plan of the cascade for the planning trace at f times RATE_QPS, by f (each
+    made once: the tests read the plans and change nothing)."""
+    app, planning = cascade
+
+    @functools.cache
+    def at(load: float) -> PlanDocument:
+        return plan_app(app, scale_trace(planning, load * RATE_QPS))
+
+    return at
+
+
 def test_each_stage_ladder_is_its_fleet_in_the_planners_plans_refined_where_it_changes(
-    cascade: tuple[ResolvedApp, Trace],
+    cascade: tuple[ResolvedApp, Trace], planned_at: Callable[[float], PlanDocument]
 ) -> None:
     app, planning = cascade
     stages = [LadderStage("cheap", None), LadderStage("large", None)]
     ladders = build_ladders(app, stages, planning, loads=LOADS, seed=0, refine=1.2)
     assert set(ladders) == {"cheap", "large"}
     for load in LOADS:
-        plan = plan_app(app, scale_trace(planning, load * RATE_QPS))
+        plan = planned_at(load)
         planned = stage_fleets(plan.stages)
         for name, ladder in ladders.items():
             assert ladder is not None
@@ -120,19 +135,33 @@ def replay_step(app: ResolvedApp, planning: Trace, plan: Any, options: dict[str,
     )
 
 
-def test_the_cascade_tuner_follows_its_ladders_up_and_back(
+@pytest.fixture(scope="module")
+def stepped(
     cascade: tuple[ResolvedApp, Trace], sized: tuple[Any, dict[str, Any], dict[str, Any]]
-) -> None:
+) -> Any:
+    """The tuner's replay of :func:`four_times_then_planned` on the :func:`sized` ladders (the
+    tests read it and change nothing)."""
     app, planning = cascade
-    plan, ladders, options = sized
+    plan, _ladders, options = sized
+    return replay_step(app, planning, plan, options)
+
+
+def test_the_cascade_tuner_follows_its_ladders_up_and_back(
+    cascade: tuple[ResolvedApp, Trace],
+    sized: tuple[Any, dict[str, Any], dict[str, Any]],
+    stepped: Any,
+    planned_at: Callable[[float], PlanDocument],
+) -> None:
+    app, _planning = cascade
+    plan, ladders, _options = sized
     assert set(ladders) == {"cheap", "large"}
     planned = stage_fleets(plan.stages)
-    busy = stage_fleets(plan_app(app, scale_trace(planning, 4 * RATE_QPS)).stages)
+    busy = stage_fleets(planned_at(4.0).stages)
     assert busy["large"] != planned["large"]  # the load below needs another fleet
     # Four times the planned rate for two minutes, then the planned rate for three: the large
     # stage grows to the planner's fleet for 4x, and each stage ends on its planned fleet,
     # never over the budget.
-    result = replay_step(app, planning, plan, options)
+    result = stepped
     by_name = {stage.name: stage for stage in result.stages}
     # Each decision names the ladder's fleet as its target (InferLine's model names none).
     assert result.decisions
@@ -155,12 +184,14 @@ def rung_batch(ladder: SizingLadder | None, fleet: dict[str, int]) -> int:
 
 
 def test_a_stage_serves_with_the_batch_its_ladder_plans_for_its_fleet(
-    cascade: tuple[ResolvedApp, Trace], sized: tuple[Any, dict[str, Any], dict[str, Any]]
+    cascade: tuple[ResolvedApp, Trace],
+    sized: tuple[Any, dict[str, Any], dict[str, Any]],
+    stepped: Any,
 ) -> None:
     app, planning = cascade
     plan, ladders, options = sized
     large = ladders["large"]
-    result = replay_step(app, planning, plan, options)
+    result = stepped
     stage = next(s for s in result.stages if s.name == "large")
     # The large stage grows for the 4x load and shrinks back; its batch cap follows the rung
     # its ready fleet reaches, which differs between the two fleets here.
