@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controlplane.policies.capacity_curve import LadderStage, build_ladders, cascade_sizing
+from controlplane.policies.capacity_curve import CASCADE_LADDER_REFINE, cascade_sizing
 from controlplane.policies.plan import PlanDocument
 from controlplane.policies.planner import plan_app, scale_trace
 from controlplane.policies.replay import parse_plan, replay, thin_planning_arrivals
@@ -55,11 +55,12 @@ def planned_at(cascade: tuple[ResolvedApp, Trace]) -> Callable[[float], PlanDocu
 
 
 def test_each_stage_ladder_is_its_fleet_in_the_planners_plans_refined_where_it_changes(
-    cascade: tuple[ResolvedApp, Trace], planned_at: Callable[[float], PlanDocument]
+    sized: tuple[Any, dict[str, Any], dict[str, Any]],
+    planned_at: Callable[[float], PlanDocument],
 ) -> None:
-    app, planning = cascade
-    stages = [LadderStage("cheap", None), LadderStage("large", None)]
-    ladders = build_ladders(app, stages, planning, loads=LOADS, seed=0, refine=1.2)
+    # The ladders the replay sizes the cascade with (cascade_sizing: build_ladders on the plan's
+    # stages, refined to CASCADE_LADDER_REFINE).
+    _plan, ladders, _options = sized
     assert set(ladders) == {"cheap", "large"}
     for load in LOADS:
         plan = planned_at(load)
@@ -77,7 +78,7 @@ def test_each_stage_ladder_is_its_fleet_in_the_planners_plans_refined_where_it_c
     assert large is not None and dict(large.curve)[1.0] == 1.0
     assert [m for _, m in large.curve] == sorted(m for _, m in large.curve)
     # Refined: wherever some stage's fleet changes between two neighbouring loads, they are
-    # within 1.2x of each other; nowhere else is a load added.
+    # within CASCADE_LADDER_REFINE (1.1x) of each other; nowhere else is a load added.
     every = sorted({f for ladder in ladders.values() if ladder for f, _ in ladder.rungs})
     assert len(every) > len(LOADS)  # the large stage's fleet changes between 2x and 4x
     for lo, hi in itertools.pairwise(every):
@@ -85,7 +86,7 @@ def test_each_stage_ladder_is_its_fleet_in_the_planners_plans_refined_where_it_c
             ladder is not None and dict(ladder.fleet_at(lo)) != dict(ladder.fleet_at(hi))
             for ladder in ladders.values()
         )
-        assert not changes or hi / lo <= 1.2 + 1e-9, (lo, hi)
+        assert not changes or hi / lo <= CASCADE_LADDER_REFINE + 1e-9, (lo, hi)
     assert all(2.0 < f < 4.0 for f in every if f not in LOADS)
 
 
