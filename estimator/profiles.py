@@ -45,6 +45,13 @@ ServiceMode = Literal["sampled", "mean"]
 MAX_LATENCY_MS = 86_400_000.0
 
 
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, made read-only (a kept table that a caller changed would change every
+    later answer)."""
+    array.flags.writeable = False
+    return array
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class LatencyProfile:
     """Measured latency of one model on one instance type, by batch size.
@@ -58,6 +65,11 @@ class LatencyProfile:
     samples_ms: tuple[np.ndarray, ...]
     # Derived once: latency lookups run per query in planners and policies.
     _mean_ms: np.ndarray = field(init=False, repr=False)
+    # The quantile tables, each computed on first use and kept (read-only): every simulation
+    # and every Kairos policy factory asks for the same ones, and a capacity search runs many.
+    _tables: dict[tuple[str, float], np.ndarray] = field(
+        init=False, repr=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         where = f"profile of {self.model!r} on {self.instance_type!r}"
@@ -159,6 +171,13 @@ class LatencyProfile:
         """
         if n_points < 1:
             raise ValueError("n_points must be >= 1")
+        key = ("table", float(n_points))
+        known = self._tables.get(key)
+        if known is None:
+            known = self._tables[key] = _read_only(self._quantile_table_ms(n_points))
+        return known
+
+    def _quantile_table_ms(self, n_points: int) -> np.ndarray:
         k = np.arange(n_points)
         at_measured = np.stack(
             [cell[(k * cell.size) // n_points] for cell in self.samples_ms]
@@ -189,6 +208,13 @@ class LatencyProfile:
         """
         if not 0.0 <= quantile <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {quantile!r}")
+        key = ("by_batch", float(quantile))
+        known = self._tables.get(key)
+        if known is None:
+            known = self._tables[key] = _read_only(self._quantile_by_batch_ms(quantile))
+        return known
+
+    def _quantile_by_batch_ms(self, quantile: float) -> np.ndarray:
         at_measured = np.array([np.quantile(cell, quantile) for cell in self.samples_ms])
         dense = np.arange(self.min_batch_size, self.max_batch_size + 1)
         table = np.full(self.max_batch_size + 1, np.nan)
