@@ -78,11 +78,12 @@ POLICY_LABELS = {
 # Queries per probe of the capacity search. 10,000 (half the reproduction's 20,000) keeps the full
 # run near 10 minutes; the stability check in every run measures what that costs in accuracy.
 QUERIES = 10_000
-QUICK_QUERIES = 500
+# Quick mode (CI's) probes with 250 queries (500 before 2026-12-07): indicative figures only.
+QUICK_QUERIES = 250
 # DeepRecSys' threshold hill climb runs ~16 capacity searches: it is tuned on a smaller workload
 # of the same mix, then the tuned threshold is measured on the full one.
 DRS_TUNE_QUERIES = 5_000
-QUICK_DRS_TUNE_QUERIES = 250
+QUICK_DRS_TUNE_QUERIES = 120
 WORKLOAD_SEED = 0
 NOISE_SEED = 7
 # Each scheme's best fleet (kairos_search): the searches probe with 5,000 queries (the winners are
@@ -91,12 +92,13 @@ NOISE_SEED = 7
 # Bayesian searches get two seeds and 20 evaluations each.
 SEARCH = SearchSizes(5_000, 1_000, {"kairos": None, "clockwork": 25, "drs": 6}, 20, 2)
 # Quick mode (CI) shows that every step runs and writes, not the figures: halved on 2026-12-01
-# (1,000 / 300 / 6-3-2 / 6 evaluations before), its CPU 57 s -> 32 s of the suite's ~1,900.
-QUICK_SEARCH = SearchSizes(500, 200, {"kairos": 4, "clockwork": 2, "drs": 1}, 4, 1, False)
+# (1,000 / 300 / 6-3-2 / 6 evaluations before), its CPU 57 s -> 32 s of the suite's ~1,900; its
+# probes halved again on 2026-12-07 (500 / 200 before).
+QUICK_SEARCH = SearchSizes(250, 100, {"kairos": 4, "clockwork": 2, "drs": 1}, 4, 1, False)
 # The brute-force check of the branch and bound: every maximal configuration of CHECK_MODEL.
 CHECK_MODEL = "rm2"
 CHECK_QUERIES = 2_000
-QUICK_CHECK_QUERIES = 150
+QUICK_CHECK_QUERIES = 100
 SCHEMES = ("kairos", "fcfs", "drs", "clockwork", "oracle")
 COMPETITORS = ("fcfs", "drs", "clockwork")
 SCHEME_LABELS = {
