@@ -57,26 +57,28 @@ class Sizes:
 
 
 FULL = Sizes()
+# Halved on 2026-12-07 (the simulated queries, arrivals, vectors, trace and dispatcher runs): the
+# test suite runs the quick results, whose figures are indicative only.
 QUICK = Sizes(
-    estimator_queries=200_000,
+    estimator_queries=100_000,
     estimator_repeats=1,
-    event_queries=20_000,
-    envelope_arrivals=200_000,
-    bound_vectors=200_000,
+    event_queries=10_000,
+    envelope_arrivals=100_000,
+    bound_vectors=100_000,
     bounds_repeats=1,
     ten_type_exhaustive=False,
     bounds_budgets_usd_per_hr=(50.0,),
     bounds_models=("rm2",),
-    matching_queries=10_000,
+    matching_queries=5_000,
     matching_states=(200, 50),
     matching_repeats=1,
     matching_rates_qps=(100,),
-    planner_duration_s=120.0,
+    planner_duration_s=60.0,
     planner_repeats=1,
     gear_families=("synthetic",),
     gear_repeats=1,
-    dispatcher_duration_s=1.5,
-    dispatcher_warmup_s=0.5,
+    dispatcher_duration_s=0.75,
+    dispatcher_warmup_s=0.25,
     dispatcher_headroom_qps=(),
     dispatcher_repeats=1,
     api_runs=0,

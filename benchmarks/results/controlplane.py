@@ -597,7 +597,11 @@ def dispatcher_figure(ctx: Context, runs: Sequence[dict[str, Any]], goal_ms: flo
     caption = (
         "Latency the serving dispatcher adds (open-loop Poisson arrivals, workers that answer at"
         " once), by scenario and offered rate, against the 5 ms p99 goal"
-        + (" (quick mode: 1.5 s runs, indicative only)" if ctx.quick else "")
+        + (
+            f" (quick mode: {QUICK.dispatcher_duration_s:g} s runs, indicative only)"
+            if ctx.quick
+            else ""
+        )
     )
     return save_figure(ctx, fig, f"{KEY}-dispatcher.png", caption)
 
