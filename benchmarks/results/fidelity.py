@@ -15,8 +15,8 @@ This experiment owns the section ``fidelity`` of docs/results. It runs the two l
 
 The goal is measured / predicted P99 within 15% everywhere (the acceptance for the demo is 25%).
 Full mode: 30 s per level and run, 60 s per demo run (about 40 minutes on a 2-core machine).
-Quick mode: the 50 ms service time at 50% of capacity for 5 s, one run, no demo (under a minute;
-indicative only).
+Quick mode: the 15 ms service time at 50% of capacity for 2.5 s after a 3 s warm-up, one run, no
+demo (under half a minute; indicative only).
 The load average before and after is recorded: the service, its workers and the load generator
 share the machine's CPUs, and other work on it moves the figures.
 """
@@ -53,8 +53,8 @@ FULL_DURATION_S = serving_fidelity.DEFAULT_DURATION_S
 DEMO_DURATION_S = 60.0
 QUICK_SERVICE_MS = (15.0,)
 QUICK_LEVELS = (0.5,)
-QUICK_DURATION_S = 5.0
-QUICK_WARMUP_S = 5.0
+QUICK_DURATION_S = 2.5
+QUICK_WARMUP_S = 3.0
 QUICK_PROFILE_SAMPLES = 20
 SEED = 1
 DEMO_RUNS = 3
