@@ -34,9 +34,9 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 # of a first `make test` compile all of it at once, each for itself (a collection 31 s of a core
 # with nothing compiled, 8.5 s with it: docs/status.md, "The test suite"). A collection error is
 # not the install's: the test run reports it. Beside it, on the other core, numba's kernels are
-# compiled into their cache (python -m estimator.warm, about 20 s of a core): otherwise the first
-# test processes and the services they start each compiled the kernels they used for themselves
-# until one had cached them (about 20 s of a core each). If that fails, the tests compile them.
+# compiled into their cache (python -m estimator.warm, about 20 s of a core), which the tests'
+# first users of them compiled otherwise (the results' quick runs, in the test run's time:
+# docs/status.md, "What was cut"). If that fails, the tests compile them.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(PIP_FLAGS) -e '.[test,worker]'
 	@echo "compiling the bytecode of what the tests import (a collection of the suite) and the kernels"

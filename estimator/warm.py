@@ -5,11 +5,10 @@
 Every kernel of the estimator and of the matching library is ``numba.njit(cache=True)``: the
 first call in a fresh checkout compiles it (LLVM: about 20 s of a core for all of them) and
 writes the machine code beside the source (``__pycache__``, or ``NUMBA_CACHE_DIR``); later
-processes load it in milliseconds. Without this, a fresh checkout's first processes each
-compiled what they used for themselves: the four test processes of a first ``make test`` and
-the services and planners they start, each until one had written the cache (the Makefile's
-installs run this; docs/status.md, "The test suite"), and a service's first Kairos round
-waited for its compilation.
+processes load it in milliseconds. The Makefile's test install runs this, so that a fresh
+checkout's first ``make test`` does not spend that time in its tests (docs/status.md, "The test
+suite"); run once after an install, it also spares a new service's first Kairos round the
+compilation.
 
 Each kernel is reached the way the code calls it (a small simulation with FCFS and with Kairos'
 dispatcher, which learns from what it served, and the tuner's arrival envelopes), so the cache
