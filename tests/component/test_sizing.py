@@ -141,6 +141,16 @@ def remembered_ladders(app: ResolvedApp, plan: PlanRecord) -> dict[str, SizingLa
     return dict(_LADDERS[key])
 
 
+def remembering_tuner(
+    store: Store, clock: FakeClock, arrivals: Callable[[str], np.ndarray]
+) -> LiveTuner:
+    """A live tuner on ``clock`` that sees ``arrivals``, its work done at once and its ladders
+    remembered (:func:`remembered_ladders`)."""
+    return LiveTuner(
+        store, clock, arrivals, resolve, submit=lambda work: work(), build_curve=remembered_ladders
+    )
+
+
 def target(stage: TunerStage, load: float, budget: float) -> dict[str, int]:
     prices = {t: 0.05 if t == SMALL else 0.1 for t in stage.rate_per_instance_qps}
     fleet = ladder_fleet(stage, stage.capacity_at_load_qps(load), prices, budget)
@@ -259,14 +269,7 @@ def test_a_blip_makes_the_live_tuner_launch_nothing(store: Store, tmp_path: Path
     steady = 700.0 + np.arange(int(400 * 5.0)) / 5.0  # 5 qps from 700 s to 1100 s
     blip = 1020.0 + np.arange(56) / 56
     seen = np.sort(np.concatenate([steady, blip]))
-    tuner = LiveTuner(
-        store,
-        clock,
-        lambda _app: seen[seen <= clock.now_s()],
-        resolve,
-        submit=lambda work: work(),
-        build_curve=remembered_ladders,
-    )
+    tuner = remembering_tuner(store, clock, lambda _app: seen[seen <= clock.now_s()])
     record = store.get_applied_plan(APP)
     assert record is not None
     planned = {t: n for t, n in record.plan.stages[0].fleet.items() if n}
@@ -375,14 +378,7 @@ def stepped_arrivals(clock: FakeClock, rates: list[tuple[float, float]], _app: s
 def stepped_tuner(store: Store, clock: FakeClock, rates: list[tuple[float, float]]) -> LiveTuner:
     """A live tuner on ``clock`` whose arrivals are :func:`stepped_arrivals` at ``rates`` (a list
     the test appends to), its ladders built at once (remembered: :func:`remembered_ladders`)."""
-    return LiveTuner(
-        store,
-        clock,
-        functools.partial(stepped_arrivals, clock, rates),
-        resolve,
-        submit=lambda work: work(),
-        build_curve=remembered_ladders,
-    )
+    return remembering_tuner(store, clock, functools.partial(stepped_arrivals, clock, rates))
 
 
 def run_ticks(
@@ -676,28 +672,14 @@ def restarted(
     applied_plan(store, tmp_path, 5.0, budget=1.0)
     clock = FakeClock(start_s=1000.0)
     steady = 700.0 + np.arange(int(310 * 5.0)) / 5.0  # 5 qps from 700 s to 1010 s
-    before = LiveTuner(
-        store,
-        clock,
-        lambda _app: steady[steady <= clock.now_s()],
-        resolve,
-        submit=lambda w: w(),
-        build_curve=remembered_ladders,
-    )
+    before = remembering_tuner(store, clock, lambda _app: steady[steady <= clock.now_s()])
     fake, reconciler = small_and_large_fleet(store, clock, before)
     reconciler.run_once()
     run_ticks(clock, before, reconciler, fake, 10)
     running = len(fake.list({}))
     assert running and "scale_up" not in [d.kind for d in store.list_decisions(APP)]
     clock.advance(10.0)  # down from 1010 s to 1020 s
-    tuner = LiveTuner(
-        store,
-        clock,
-        lambda _app: after(clock.now_s()),
-        resolve,
-        submit=lambda w: w(),
-        build_curve=remembered_ladders,
-    )
+    tuner = remembering_tuner(store, clock, lambda _app: after(clock.now_s()))
     reconciler = Reconciler(
         store,
         fake,
@@ -770,14 +752,7 @@ def test_load_after_an_idle_gap_buys_nothing_for_its_opening_burst(
     burst = 1130.0 + np.arange(50) / 50
     after = 1131.0 + np.arange(int(60 * 5.0)) / 5.0
     seen = np.sort(np.concatenate([before, burst, after]))
-    tuner = LiveTuner(
-        store,
-        clock,
-        lambda _app: seen[seen <= clock.now_s()],
-        resolve,
-        submit=lambda w: w(),
-        build_curve=remembered_ladders,
-    )
+    tuner = remembering_tuner(store, clock, lambda _app: seen[seen <= clock.now_s()])
     fake, reconciler = small_and_large_fleet(store, clock, tuner)
     reconciler.run_once()
     running = len(fake.list({}))
