@@ -18,7 +18,7 @@ import gzip
 import io
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -171,10 +171,13 @@ class LatencyProfile:
         """
         if n_points < 1:
             raise ValueError("n_points must be >= 1")
-        key = ("table", float(n_points))
+        return self._kept(("table", float(n_points)), lambda: self._quantile_table_ms(n_points))
+
+    def _kept(self, key: tuple[str, float], make: Callable[[], np.ndarray]) -> np.ndarray:
+        """The table ``key`` names, made by ``make`` on first use and kept read-only."""
         known = self._tables.get(key)
         if known is None:
-            known = self._tables[key] = _read_only(self._quantile_table_ms(n_points))
+            known = self._tables[key] = _read_only(make())
         return known
 
     def _quantile_table_ms(self, n_points: int) -> np.ndarray:
@@ -208,11 +211,9 @@ class LatencyProfile:
         """
         if not 0.0 <= quantile <= 1.0:
             raise ValueError(f"quantile must be in [0, 1], got {quantile!r}")
-        key = ("by_batch", float(quantile))
-        known = self._tables.get(key)
-        if known is None:
-            known = self._tables[key] = _read_only(self._quantile_by_batch_ms(quantile))
-        return known
+        return self._kept(
+            ("by_batch", float(quantile)), lambda: self._quantile_by_batch_ms(quantile)
+        )
 
     def _quantile_by_batch_ms(self, quantile: float) -> np.ndarray:
         at_measured = np.array([np.quantile(cell, quantile) for cell in self.samples_ms])
