@@ -24,7 +24,7 @@ import yaml
 
 from controlplane.cli import main
 from controlplane.db.store import Store
-from controlplane.settings import Settings
+from controlplane.settings import DATABASE_FILE
 from tests.conftest import KAIROS_CSV, needs_shared
 from tests.integration.conftest import free_port, start_on_a_free_port
 
@@ -98,7 +98,9 @@ def create_token(
     and its migrations to make it; the command itself is tested here, in
     :func:`test_serve_survives_a_restart`, and in tests/component/test_cli_db_token.py)."""
     if not cli:
-        store = Store.from_url(Settings(data_dir=data_dir).database_url, upgrade=True)
+        # The service's database as service_env leaves it (the default under data_dir), whatever
+        # HETEROPLANE_* this process's environment holds.
+        store = Store.from_url(f"sqlite:///{data_dir / DATABASE_FILE}", upgrade=True)
         try:
             return store.create_token(scope, name=name)
         finally:
