@@ -74,6 +74,26 @@ def test_interpolation_between_measured_sizes_and_refusal_outside(tmp_path: Path
         profile.draw_ms(5, np.random.default_rng(0))
 
 
+def test_a_quantile_table_is_computed_once_and_cannot_be_changed(tmp_path: Path) -> None:
+    """Each table is kept once made (every simulation and Kairos policy of a search asks for the
+    same ones), and kept read-only: a caller that wrote into it would change every later
+    answer."""
+    rows = [f"m,x,{b},{i},{b * (10 + i)},0" for b in (1, 4) for i in range(4)]
+    profile = load_profiles(write_csv(tmp_path / "p.csv", rows)).get_profile("m", "x")
+    for ask in (lambda: profile.quantile_table_ms(3), lambda: profile.quantile_by_batch_ms(0.99)):
+        table = ask()
+        assert ask() is table
+        assert not table.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            table[-1] = 0.0
+    # Other arguments are other tables, each as it would be made anew.
+    assert profile.quantile_table_ms(2).shape == (4, 2)
+    assert profile.quantile_table_ms(2).tolist() == profile._quantile_table_ms(2).tolist()
+    assert np.array_equal(
+        profile.quantile_by_batch_ms(0.5), profile._quantile_by_batch_ms(0.5), equal_nan=True
+    )
+
+
 def test_draws_reproduce_the_cells_and_interpolate(tmp_path: Path) -> None:
     samples = np.arange(1.0, 101.0)
     profile = LatencyProfile("m", "x", np.array([1, 3]), (samples, samples + 100))
