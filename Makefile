@@ -40,9 +40,9 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet $(PIP_FLAGS) -e '.[test,worker]'
 	@echo "compiling the bytecode of what the tests import (a collection of the suite) and the kernels"
-	@$(BIN)/python -m estimator.warm > /dev/null 2>&1 & warm=$$!; \
+	@$(BIN)/python -m estimator.warm > $(VENV)/warm.log 2>&1 & warm=$$!; \
 	PYTHONDONTWRITEBYTECODE= $(BIN)/pytest --collect-only -q -p no:cacheprovider > /dev/null 2>&1; \
-	wait $$warm || echo "the kernels were not compiled ahead (python -m estimator.warm failed); the tests compile them"
+	wait $$warm || echo "the kernels were not compiled ahead (python -m estimator.warm failed: $(VENV)/warm.log); the tests compile them"
 	@touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
