@@ -19,7 +19,7 @@ import io
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +70,11 @@ class LatencyProfile:
     _tables: dict[tuple[str, float], np.ndarray] = field(
         init=False, repr=False, default_factory=dict
     )
+
+    def __getstate__(self) -> list[Any]:
+        """The fields for pickling and copying, without the kept tables (read-only here, they
+        would come back writable): a copy makes its own."""
+        return [{} if f.name == "_tables" else getattr(self, f.name) for f in fields(self)]
 
     def __post_init__(self) -> None:
         where = f"profile of {self.model!r} on {self.instance_type!r}"

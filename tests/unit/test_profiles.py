@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +94,11 @@ def test_a_quantile_table_is_computed_once_and_cannot_be_changed(tmp_path: Path)
     assert np.array_equal(
         profile.quantile_by_batch_ms(0.5), profile._quantile_by_batch_ms(0.5), equal_nan=True
     )
+    # A copy (pickled, as a process pool sends it) makes its own tables, read-only too.
+    for copied in (pickle.loads(pickle.dumps(profile)), copy.deepcopy(profile)):
+        again = copied.quantile_table_ms(3)
+        assert not again.flags.writeable
+        assert again.tolist() == profile.quantile_table_ms(3).tolist()
 
 
 def test_draws_reproduce_the_cells_and_interpolate(tmp_path: Path) -> None:
