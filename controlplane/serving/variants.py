@@ -41,7 +41,7 @@ from controlplane.policies.variants import (
     choose,
     offer_text,
 )
-from controlplane.serving.admission import StageLoad, predicted_latency_ms, wait_ms
+from controlplane.serving.admission import StageLoad, predicted_latency_ms
 from controlplane.serving.config import AppConfig, ServingGear, batch_cap
 from controlplane.serving.stages import LatencyTable, ServingStage
 from controlplane.serving.states import StateTracker, is_overloaded
@@ -307,12 +307,11 @@ class AppVariants:
         """The latency :func:`~controlplane.serving.admission.predicted_latency_ms` predicts for
         ``cascade``, each stage's part (its wait and its service) times how much slower than
         its profile the stage serves now (:meth:`_slowdown`)."""
-        total = 0.0
         loads = self.loads(cascade, samples, gear, now_s)
-        for model, load in zip(cascade.models, loads, strict=True):
-            if load.reach_share > 0:
-                total += (wait_ms([load]) + load.service_ms) * self._slowdown(model, now_s)
-        return total
+        return sum(
+            predicted_latency_ms([load]) * self._slowdown(model, now_s)  # 0 where not reached
+            for model, load in zip(cascade.models, loads, strict=True)
+        )
 
     def _slowdown(self, model: str, now_s: float) -> float:
         """How much slower than its profile ``model``'s stage serves now: the least median
