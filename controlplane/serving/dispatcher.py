@@ -1081,7 +1081,12 @@ class AppDispatcher:
         # overshoot (a factor of 3.15 stored where 2.1 held a minute later).
         if worker.answered > self.settings.warmup_batches:
             self.observations.batch_served(
-                self.app, stage.model, worker.instance_type, batch, round_trip_ms + turnaround_ms
+                self.app,
+                stage.model,
+                worker.instance_type,
+                batch,
+                round_trip_ms + turnaround_ms,
+                now,
             )
         policy = stage.policy
         if policy is not None and worker.instance_type in stage.latency:

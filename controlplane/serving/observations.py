@@ -23,8 +23,9 @@ denominator and never in its numerator (:func:`account`).
   compute) and a histogram of every query's end-to-end latency by outcome, since the service
   started (``/metrics``, ``GET /v1/apps/{app}/serving``).
 - **API times** (:meth:`Observations.api_times_ms`): the API's part of the newest answered
-  queries (receipt to submit), whose median the calibration loop stores as the app's
-  control-plane overhead per query.
+  queries (receipt to submit), whose median and quantiles the calibration loop stores as the
+  app's control-plane overhead per query; at a high rate one query in every few, so that they
+  span at least a minute (:data:`API_TIMES_SPAN_S`).
 - **The serving process's CPU per query** (:meth:`Observations.serving_cpu_ms`, a
   :class:`CpuMeter`): the CPU time of the threads that serve (:class:`ServingThreadsCpu`: each
   thread that records an answer, the event loop's, which runs uvicorn's parsing and writing, the
@@ -42,7 +43,9 @@ denominator and never in its numerator (:func:`account`).
 - **Batch times** (:meth:`Observations.batch_times_ms`): each worker call's service time (the
   round trip as the dispatcher measures it, transport and compute, plus the instance's
   turnaround before it with work waiting) per (model, instance type, batch size), the last
-  :data:`BATCH_TIMES_KEPT` per key: what the calibration loop compares with the profile in use
+  :data:`BATCH_TIMES_KEPT` per key, at a high rate one call in every few so that they span at
+  least a minute (:data:`BATCH_TIMES_SPAN_S`), and a batch size's only once they span
+  :data:`BATCH_EVIDENCE_S`: what the calibration loop compares with the profile in use
   (:mod:`controlplane.policies.calibration`).
 
 The event loop writes; the roll-up job and the API's threads read: every method takes a lock.
@@ -81,8 +84,11 @@ from controlplane.errors import (
 )
 
 __all__ = [
+    "API_TIMES_SPAN_S",
     "ARRIVALS_KEPT",
+    "BATCH_EVIDENCE_S",
     "BATCH_TIMES_KEPT",
+    "BATCH_TIMES_SPAN_S",
     "CLIENT_ERRORS",
     "CPU_MIN_QUERIES",
     "CPU_WINDOW_S",
@@ -94,6 +100,7 @@ __all__ = [
     "Observations",
     "Outcome",
     "ServingThreadsCpu",
+    "SpannedSample",
     "Split",
     "WindowSummary",
     "account",
@@ -104,11 +111,23 @@ __all__ = [
 # 2^18 arrivals: the tuner's longest window (60 s) at more than 4,000 queries per second.
 ARRIVALS_KEPT = 1 << 18
 # Batch service times kept per (app, model, instance type, batch size): a few calibration windows
-# (50 batches each by default) at every batch size.
+# (50 batches each by default) at every batch size ...
 BATCH_TIMES_KEPT = 256
+# ... of one call in every n, so that they span at least this long (SpannedSample): at 500
+# calls a second the newest 256 are half a second's, and on a host the workers share the
+# calibration stored factors of 2.35, 0.64, 0.61, 1.53 and 0.71 within 13 s of a steady load.
+BATCH_TIMES_SPAN_S = 60.0
+# A batch size's times reach the calibration once they span this long: its evidence is never
+# the few calls of the last fraction of a second, whatever the rate.
+BATCH_EVIDENCE_S = 10.0
 # The API's part (receipt to submit) of the newest answered queries kept per app: the
 # calibration loop's control-plane overhead is their median.
 API_TIMES_KEPT = 1024
+# ... of one query in every n, so that they span at least this long (SpannedSample): at 2,000
+# q/s the newest 1,024 are half a second's, whose quantiles are that half-second's stalls (their
+# p99 moved between 0.8 and 7.7 ms from one calibration tick to the next on a steady load, and
+# each move was stored and re-sized the app).
+API_TIMES_SPAN_S = 60.0
 # The serving threads' CPU is read once per window of this many seconds (CpuMeter); the last
 # CPU_WINDOWS_KEPT windows with answers give its CPU per query, once they hold CPU_MIN_QUERIES.
 CPU_WINDOW_S = 5.0
@@ -367,6 +386,59 @@ def summarise(
     )
 
 
+class SpannedSample:
+    """The newest ``kept`` values of a stream, taking one in every n, n set once a second from the
+    stream's rate so that the kept values span at least ``span_s`` (every value at a rate where
+    they would anyway; every value also when :meth:`add` is given no time). A calibration's
+    evidence is then the last minute's, not the last half-second's at a high rate.
+    ``evidence_s``: the time from the first value kept since the start or the last
+    :meth:`forget` to the newest (None where values came without a time)."""
+
+    __slots__ = ("count", "every", "first_s", "last_s", "since_s", "skipped", "span_s", "values")
+
+    def __init__(self, kept: int, span_s: float) -> None:
+        self.values: deque[float] = deque(maxlen=kept)
+        self.span_s = span_s
+        self.every = 1  # one value in every this many is kept
+        self.skipped = 0  # values passed since the last one kept
+        self.count = 0  # values since since_s, which sets every once a second
+        self.since_s: float | None = None
+        self.first_s: float | None = None  # the first value kept since the start or a forget
+        self.last_s: float | None = None  # the newest value kept
+
+    @property
+    def evidence_s(self) -> float | None:
+        if self.first_s is None or self.last_s is None:
+            return None
+        return self.last_s - self.first_s
+
+    def add(self, value: float, now_s: float | None = None) -> None:
+        if now_s is not None:
+            if self.since_s is None:
+                self.since_s = now_s
+            self.count += 1
+            elapsed_s = now_s - self.since_s
+            if elapsed_s >= 1.0:
+                rate = self.count / elapsed_s
+                kept = self.values.maxlen or 1
+                self.every = max(1, math.ceil(rate * self.span_s / kept))
+                self.count, self.since_s = 0, now_s
+        self.skipped += 1
+        if self.skipped >= self.every:
+            self.skipped = 0
+            self.values.append(value)
+            if now_s is not None:
+                if self.first_s is None:
+                    self.first_s = now_s
+                self.last_s = now_s
+
+    def forget(self) -> None:
+        """Drop the kept values (the rate stays: fresh evidence spans the same time again)."""
+        self.values.clear()
+        self.skipped = 0
+        self.first_s = self.last_s = None
+
+
 class _App:
     __slots__ = (
         "answered",
@@ -407,7 +479,7 @@ class _App:
         # api, queue, transport, compute, total (ms) summed over the answered queries
         self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0, 0.0]
         # the newest answered queries' own time, Split.own_ms (the calibration loop's overhead)
-        self.own_ms: deque[float] = deque(maxlen=API_TIMES_KEPT)
+        self.own_ms = SpannedSample(API_TIMES_KEPT, API_TIMES_SPAN_S)
         self.buckets: dict[Outcome, list[int]] = {}
         self.outcome_sum_ms: dict[Outcome, float] = {}
         self.window_since_s = now_s
@@ -562,12 +634,16 @@ class Observations:
     """Per-app arrivals, windows and counters (see the module docstring); ``cpu_s`` reads the
     serving threads' CPU seconds (:class:`CpuMeter`; None: the threads that record answers)."""
 
-    def __init__(self, cpu_s: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, cpu_s: Callable[[], float] | None = None, batch_evidence_s: float = BATCH_EVIDENCE_S
+    ) -> None:
         self._cpu = CpuMeter(cpu_s)
+        # a batch size's times are read once they span this long (BATCH_EVIDENCE_S)
+        self._batch_evidence_s = batch_evidence_s
         self._lock = threading.Lock()
         self._apps: dict[str, _App] = {}
         # (app, model, instance type, batch size) -> the newest batch service times, ms
-        self._batch_times: dict[tuple[str, str, str, int], deque[float]] = {}
+        self._batch_times: dict[tuple[str, str, str, int], SpannedSample] = {}
 
     def _app(self, app: str, now_s: float) -> _App:
         found = self._apps.get(app)
@@ -627,7 +703,7 @@ class Observations:
                 sums[1] += split.queue_ms
                 sums[2] += split.transport_ms
                 sums[3] += split.compute_ms
-                entry.own_ms.append(split.own_ms)
+                entry.own_ms.add(split.own_ms, now_s)
             sums[4] += latency_ms
             entry.ended(Outcome.ANSWERED, latency_ms)
             latencies = entry.latencies
@@ -667,17 +743,25 @@ class Observations:
             self._app(app, now_s).rejected += 1
 
     def batch_served(
-        self, app: str, model: str, instance_type: str, batch_size: int, service_ms: float
+        self,
+        app: str,
+        model: str,
+        instance_type: str,
+        batch_size: int,
+        service_ms: float,
+        now_s: float | None = None,
     ) -> None:
         """A worker call of ``batch_size`` samples of ``model`` on ``instance_type`` that took
         ``service_ms`` (the round trip, transport and compute, plus the instance's turnaround
-        before it when work was waiting: its busy time, as a simulated instance's)."""
+        before it when work was waiting: its busy time, as a simulated instance's), ended at
+        ``now_s`` (given: kept so that the kept ones span :data:`BATCH_TIMES_SPAN_S`)."""
         key = (app, model, instance_type, int(batch_size))
         with self._lock:
             kept = self._batch_times.get(key)
             if kept is None:
-                kept = self._batch_times[key] = deque(maxlen=BATCH_TIMES_KEPT)
-            kept.append(float(service_ms))
+                kept = SpannedSample(BATCH_TIMES_KEPT, BATCH_TIMES_SPAN_S)
+                self._batch_times[key] = kept
+            kept.add(float(service_ms), now_s)
 
     # --- what the tuner, the roll-up and /metrics read -----------------------------------------
 
@@ -757,12 +841,17 @@ class Observations:
 
     def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]:
         """The kept batch service times of ``app``: (model, instance type) -> batch size -> ms,
-        oldest first (empty when it had none)."""
+        oldest first (empty when it had none); a batch size's only once they span
+        ``batch_evidence_s`` (:data:`BATCH_EVIDENCE_S`; since the start or the last
+        :meth:`forget_batch_times`)."""
         found: dict[tuple[str, str], dict[int, list[float]]] = {}
         with self._lock:
             for (name, model, instance_type, batch), kept in self._batch_times.items():
-                if name == app and kept:
-                    found.setdefault((model, instance_type), {})[batch] = list(kept)
+                evidence_s = kept.evidence_s
+                if evidence_s is not None and evidence_s < self._batch_evidence_s:
+                    continue
+                if name == app and kept.values:
+                    found.setdefault((model, instance_type), {})[batch] = list(kept.values)
         return found
 
     def serving_cpu_ms(self, app: str, now_s: float) -> float | None:
@@ -774,10 +863,12 @@ class Observations:
     def api_times_ms(self, app: str) -> list[float]:
         """The service's own time (ms, :attr:`Split.own_ms`: the API's part, from its receipt to
         the dispatcher's submit, plus the dispatches' wait on the event loop) of ``app``'s
-        newest answered queries, oldest first (empty when none was answered)."""
+        newest answered queries, oldest first (empty when none was answered): the newest
+        :data:`API_TIMES_KEPT`, of one query in every few at a rate where those would span less
+        than :data:`API_TIMES_SPAN_S`."""
         with self._lock:
             found = self._apps.get(app)
-            return [] if found is None else list(found.own_ms)
+            return [] if found is None else list(found.own_ms.values)
 
     def forget_api_times(self, app: str) -> None:
         """Drop the service's own times kept for ``app`` (they were measured while its host was
@@ -785,7 +876,7 @@ class Observations:
         with self._lock:
             found = self._apps.get(app)
             if found is not None:
-                found.own_ms.clear()
+                found.own_ms.forget()
 
     def holding(self) -> AbstractContextManager[None]:
         """The block in which a calibration pass reads an app's figures (the loops' view of a
@@ -797,8 +888,9 @@ class Observations:
         """Drop the kept batch times of ``model`` on ``instance_type`` for ``app`` (the profile
         they were compared with has just been recalibrated)."""
         with self._lock:
-            for key in [k for k in self._batch_times if k[:3] == (app, model, instance_type)]:
-                del self._batch_times[key]
+            for key, kept in self._batch_times.items():
+                if key[:3] == (app, model, instance_type):
+                    kept.forget()
 
     def totals(self) -> dict[str, AppTotals]:
         with self._lock:

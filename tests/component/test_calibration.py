@@ -515,7 +515,9 @@ def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
             profiles=profiles,
             prices_usd_per_hr={SMALL: 0.05},
         )
-        observations = Observations()
+        # every batch read at once (the service holds a batch size back until its times span
+        # BATCH_EVIDENCE_S: tests/unit/test_observations_accounting.py)
+        observations = Observations(batch_evidence_s=0.0)
         dispatcher = AppDispatcher(
             app,
             HttpWorkerTransport(),
@@ -617,7 +619,9 @@ def test_an_instances_turnaround_with_work_waiting_is_its_service_time_not_the_q
     query's own lag (the simulated queue holds it)."""
 
     async def scenario() -> None:
-        observations = Observations()
+        # every batch read at once (the service holds a batch size back until its times span
+        # BATCH_EVIDENCE_S: tests/unit/test_observations_accounting.py)
+        observations = Observations(batch_evidence_s=0.0)
         clock = [100.0]
         transport = _ClockedTransport(clock, call_ms=2.0, turn_ms=3.0)
         dispatcher = clocked_dispatcher(transport, observations, clock)
@@ -667,7 +671,9 @@ def test_a_query_back_from_a_failed_batch_adds_no_turnaround_to_an_instance_long
     alone (8 ms more would make the calibration see an instance five times as slow)."""
 
     async def scenario() -> None:
-        observations = Observations()
+        # every batch read at once (the service holds a batch size back until its times span
+        # BATCH_EVIDENCE_S: tests/unit/test_observations_accounting.py)
+        observations = Observations(batch_evidence_s=0.0)
         clock = [100.0]
         transport = _FailingFirstTransport(clock, call_ms=2.0, fail_after_ms=8.0)
         dispatcher = clocked_dispatcher(transport, observations, clock)

@@ -6,6 +6,7 @@ latency."""
 from __future__ import annotations
 
 import doctest
+import itertools
 import threading
 import time
 
@@ -149,6 +150,74 @@ def test_a_window_and_the_totals_count_every_outcome() -> None:
     assert buckets["answered"][LATENCY_BUCKETS_MS.index(50.0)] == 1
     assert buckets["timed_out"][LATENCY_BUCKETS_MS.index(30_000.0)] == 1
     assert totals.latency_outcome_sum_ms["refused"] == 3.0
+
+
+def test_the_api_times_kept_span_a_minute_at_a_high_rate_and_every_query_at_a_low_one() -> None:
+    kept = observations.API_TIMES_KEPT
+    span_s = observations.API_TIMES_SPAN_S
+    seen = Observations()
+    # 100 s at 2,000 answered queries a second, each query's own time its arrival time (ms):
+    # the newest API_TIMES_KEPT would be the last half-second's.
+    rate = 2000
+    for i in range(100 * rate):
+        t = i / rate
+        seen.answered("busy", t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+    times = seen.api_times_ms("busy")
+    assert len(times) == kept
+    spans_evenly(times, newest=100_000.0, span=span_s * 1000.0)
+    # At 5 q/s every answered query is kept: the newest API_TIMES_KEPT, over 205 s.
+    for i in range(2000):
+        t = i / 5
+        seen.answered("calm", t, 1.0, late=False, models=["m"], split=Split(api_ms=float(i)))
+    assert seen.api_times_ms("calm") == [float(i) for i in range(2000 - kept, 2000)]
+    # Forgotten (a profile run beside them), the fresh ones span the minute again at once.
+    seen.forget_api_times("busy")
+    assert seen.api_times_ms("busy") == []
+    for i in range(100 * rate, 110 * rate):
+        t = i / rate
+        seen.answered("busy", t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+    assert len(seen.api_times_ms("busy")) <= kept * 10 / span_s * 1.1
+
+
+def test_the_batch_times_kept_span_a_minute_and_a_recalibration_keeps_their_rate() -> None:
+    kept = observations.BATCH_TIMES_KEPT
+    span_s = observations.BATCH_TIMES_SPAN_S
+    seen = Observations()
+    rate = 500  # worker calls a second, each call's time its end (ms)
+    for i in range(90 * rate):
+        t = i / rate
+        seen.batch_served("app", "m", "cpu", 4, t * 1000.0, t)
+    (times,) = seen.batch_times_ms("app")[("m", "cpu")].values()
+    assert len(times) == kept
+    spans_evenly(times, newest=90_000.0, span=span_s * 1000.0)
+    # The calibration forgets them once it has stored a factor: the calls of the next
+    # BATCH_EVIDENCE_S are held back until they span it, and then they are its share of a
+    # minute's evidence, not 256 calls of the first half-second.
+    seen.forget_batch_times("app", "m", "cpu")
+    assert seen.batch_times_ms("app") == {}
+    evidence_s = observations.BATCH_EVIDENCE_S
+    t = 90.0
+    for i in range(int(90 * rate), int((90 + evidence_s + 1) * rate)):
+        t = i / rate
+        seen.batch_served("app", "m", "cpu", 4, t * 1000.0, t)
+        if t < 90 + evidence_s * 0.9:
+            assert seen.batch_times_ms("app") == {}, t
+    (times,) = seen.batch_times_ms("app")[("m", "cpu")].values()
+    assert len(times) <= kept * (evidence_s + 1) / span_s * 1.1
+    assert times[-1] - times[0] >= evidence_s * 1000.0
+    # Without a time (a caller that does not say when), every call is kept.
+    for i in range(10):
+        seen.batch_served("app", "m", "gpu", 1, float(i))
+    assert seen.batch_times_ms("app")[("m", "gpu")] == {1: [float(i) for i in range(10)]}
+
+
+def spans_evenly(times: list[float], newest: float, span: float) -> None:
+    """``times`` (ms, oldest first) end at ``newest`` and span ``span`` (up to a tenth more),
+    kept at even gaps (within a factor of two)."""
+    assert times[-1] >= newest - 100.0  # the newest are kept
+    assert span <= times[-1] - times[0] <= span * 1.1
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) <= 2 * min(gaps)
 
 
 def test_an_answer_without_a_split_counts_its_time_as_queueing() -> None:
