@@ -124,7 +124,9 @@ class WorkerRecord:
     request_id: str
     instance_type: str
     speed_factor: float
-    pid: int
+    # ``None`` from the record written before the start until the one written after it: a
+    # record that keeps ``None`` was left by a launch cut short between the two.
+    pid: int | None
     port: int
     tags: Mapping[str, str]
     launched_at: datetime
@@ -175,13 +177,13 @@ class WorkerRecord:
         tags = data["tags"]
         if launched_at is None or not isinstance(tags, dict):
             raise ValueError("a worker record needs launched_at and tags")
-        exit_code, start_ticks = data.get("exit_code"), data.get("start_ticks")
+        pid, exit_code, start_ticks = data["pid"], data.get("exit_code"), data.get("start_ticks")
         return cls(
             provider_id=str(data["provider_id"]),
             request_id=str(data["request_id"]),
             instance_type=str(data["instance_type"]),
             speed_factor=float(data["speed_factor"]),
-            pid=int(data["pid"]),
+            pid=int(pid) if pid is not None else None,
             port=int(data["port"]),
             tags={str(k): str(v) for k, v in tags.items()},
             launched_at=launched_at,
@@ -438,7 +440,8 @@ class LocalProvisioner:
         self._event("info", f"worker {provider_id} taken away at the end of its notice", record)
 
     def records(self) -> builtins.list[WorkerRecord]:
-        """The state directory's worker records as they are now (no checks), by launch time."""
+        """The state directory's worker records as they are now (no checks, but a record a launch
+        cut short left without a pid resolved first: see ``_resolve``), by launch time."""
         with self._locked():
             records = self._read_records()
         return sorted(records, key=lambda r: (r.launched_at, r.provider_id))
@@ -457,6 +460,7 @@ class LocalProvisioner:
         self, provider_id: str, request: LaunchRequest, tags: Mapping[str, str]
     ) -> WorkerRecord:
         factor = self.catalog_speed[request.instance_type]
+        record: WorkerRecord | None = None
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.bind((HOST, 0))
@@ -465,6 +469,20 @@ class LocalProvisioner:
             command = self._command(
                 provider_id, request.instance_type, factor, listener.fileno(), request.artifacts
             )
+            # Recorded before the start (the port is known, the pid not yet): a control plane
+            # killed from here on leaves a record that names the worker, which the next
+            # provisioner on the directory resolves (``_resolve``).
+            record = WorkerRecord(
+                provider_id=provider_id,
+                request_id=request.request_id,
+                instance_type=request.instance_type,
+                speed_factor=factor,
+                pid=None,
+                port=port,
+                tags=dict(tags),
+                launched_at=_now(),
+            )
+            self._write_record(record)
             log_path = self.state_dir / "logs" / f"{provider_id}.log"
             with log_path.open("ab") as log:
                 process = subprocess.Popen(
@@ -478,21 +496,17 @@ class LocalProvisioner:
                     cwd=self.state_dir,
                 )
         except OSError as error:
+            if record is not None:
+                self._forget(record)  # nothing started: no worker to name
             raise InvalidConfigurationError(
                 "python", f"cannot start a worker with {self.python}: {error}"
             ) from None
         finally:
             listener.close()
         self._children[provider_id] = process
-        record = WorkerRecord(
-            provider_id=provider_id,
-            request_id=request.request_id,
-            instance_type=request.instance_type,
-            speed_factor=factor,
+        record = replace(
+            record,
             pid=process.pid,
-            port=port,
-            tags=dict(tags),
-            launched_at=_now(),
             start_ticks=stat.start_ticks if (stat := _proc_stat(process.pid)) else None,
         )
         self._write_record(record)
@@ -553,11 +567,14 @@ class LocalProvisioner:
         A child of this provisioner is asked through its ``Popen`` (its pid cannot be reused
         before it is reaped). Another's (an adopted worker) must exist, not be a zombie, and on
         Linux have the start time recorded at launch (a reused pid has another); without one
-        recorded, its command line must hold the provider id.
+        recorded, its command line must hold the provider id. A record without a pid (a launch
+        cut short, that :meth:`_resolve` found no process for) is not alive.
         """
         child = self._children.get(record.provider_id)
         if child is not None:
             return child.poll() is None
+        if record.pid is None:
+            return False  # never started (see _resolve)
         try:
             os.kill(record.pid, 0)
         except (ProcessLookupError, PermissionError):  # gone, or another user's by now
@@ -581,6 +598,8 @@ class LocalProvisioner:
 
     def _signal(self, record: WorkerRecord, signum: signal.Signals) -> None:
         """Send ``signum`` to the worker's session (its process group; pgid = pid)."""
+        if record.pid is None:
+            return  # never started: nothing to signal
         try:
             if os.getpgid(record.pid) == record.pid:
                 os.killpg(record.pid, signum)
@@ -812,7 +831,7 @@ class LocalProvisioner:
             return None
         path = self.state_dir / "instances" / f"{provider_id}.json"
         try:
-            return WorkerRecord.from_json(json.loads(path.read_text()))
+            record = WorkerRecord.from_json(json.loads(path.read_text()))
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -820,6 +839,35 @@ class LocalProvisioner:
                 self._unreadable.add(path.name)
                 self._event("info", f"ignoring the unreadable worker record {path}: {error}")
             return None
+        if record.pid is None and record.exited_at is None:
+            return self._resolve(record)
+        return record
+
+    def _resolve(self, record: WorkerRecord) -> WorkerRecord:
+        """A record without a pid, written before its worker's start by a launch cut short
+        before the pid was written (every read is under the lock, which a launch holds from its
+        first write to its last, so no launch is halfway now): with the pid of the worker if it
+        runs (found by the ``--worker-id`` on its command line; it is adopted, its port is in the
+        record), else marked exited (never started, or ended since): ``failed`` from now on, and
+        a ``failed`` event says so, once."""
+        child = self._children.get(record.provider_id)
+        pid = child.pid if child is not None else _find_worker(record.provider_id)
+        if pid is not None:
+            stat = _proc_stat(pid)
+            found = replace(record, pid=pid, start_ticks=stat.start_ticks if stat else None)
+            self._write_record(found)
+            return found
+        gone = replace(record, exited_at=_now())
+        self._write_record(gone)
+        last = self._log_tail(record.provider_id)
+        self._event(
+            "failed",
+            f"worker {record.provider_id} ({record.instance_type}, port {record.port}) is not"
+            " running: its launch was cut short before its pid was recorded"
+            + (f"; its log: {last}" if last else ""),
+            record,
+        )
+        return gone
 
     def _write_record(self, record: WorkerRecord) -> None:
         path = self.state_dir / "instances" / f"{record.provider_id}.json"
@@ -884,22 +932,46 @@ _PROC = Path("/proc")
 @dataclass(frozen=True, slots=True)
 class _ProcStat:
     state: str
+    session: int
     start_ticks: int
 
 
 def _proc_stat(pid: int) -> _ProcStat | None:
-    """State and start time of ``pid`` from ``/proc/PID/stat`` (``None``: unreadable)."""
+    """State, session and start time of ``pid`` from ``/proc/PID/stat`` (``None``: unreadable)."""
     try:
         text = (_PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     # Fields after the command name (which may hold spaces and parentheses): state is field 3,
-    # starttime field 22 (proc(5)).
+    # session field 6, starttime field 22 (proc(5)).
     fields = text.rsplit(")", 1)[-1].split()
     try:
-        return _ProcStat(fields[0], int(fields[19]))
+        return _ProcStat(fields[0], int(fields[3]), int(fields[19]))
     except (IndexError, ValueError):
         return None
+
+
+def _find_worker(provider_id: str) -> int | None:
+    """The pid of the live process started as worker ``provider_id``: its command line holds
+    ``--worker-id provider_id`` and it leads a session (it was started in one of its own; a
+    process it forked shares its command line, not its session id). ``None`` when there is none,
+    or no procfs to look in."""
+    if not _PROC.is_dir():
+        return None
+    needle = b"\0--worker-id\0" + provider_id.encode() + b"\0"
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "cmdline").read_bytes():
+                continue
+        except OSError:
+            continue
+        pid = int(entry.name)
+        stat = _proc_stat(pid)
+        if stat is not None and stat.state != "Z" and stat.session == pid:
+            return pid
+    return None
 
 
 def _write_atomic(path: Path, document: Mapping[str, Any]) -> None:

@@ -255,10 +255,11 @@ def stop_every_worker(provisioner: LocalProvisioner) -> None:
     records = provisioner.records()
     provisioner.terminate([r.provider_id for r in records])
     provisioner.close()
+    pids = [r.pid for r in records if r.pid is not None]  # no pid: it never started
     deadline = time.monotonic() + 30.0
-    while time.monotonic() < deadline and any(process_alive(r.pid) for r in records):
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
         time.sleep(WORKER_POLL_S)
-    assert not any(process_alive(r.pid) for r in records)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 def local_data_dir(tmp_path: Path, trained_family: Path) -> Path:

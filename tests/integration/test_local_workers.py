@@ -78,7 +78,7 @@ class Provisioners:
         return provisioner
 
     def note(self, provisioner: LocalProvisioner) -> None:
-        self.pids.update(r.pid for r in provisioner.records())
+        self.pids.update(r.pid for r in provisioner.records() if r.pid is not None)
 
     def stop_all(self) -> None:
         for provisioner in self.made:
