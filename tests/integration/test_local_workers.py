@@ -3,8 +3,11 @@
 Three workers of two emulated types serve real inferences that match the family's own
 ``predict``; a worker killed with SIGKILL is reported failed (once); a second provisioner on the
 same state directory adopts the live workers and launches nothing twice for a request id
-already seen; terminated workers exit and are forgotten. Stand-in interpreters (shell scripts)
-cover what a real worker does not do on demand: ignore SIGTERM, never become healthy.
+already seen; terminated workers exit and are forgotten. A launch cut short between a worker's
+record and its start, or between its start and its pid, leaves a record the next provisioner
+resolves: the worker found and adopted, or reported failed if it never started. Stand-in
+interpreters (shell scripts) cover what a real worker does not do on demand: ignore SIGTERM,
+never become healthy.
 
 Waits poll with a deadline; nothing is timed. Every worker is stopped by the fixtures.
 """
@@ -15,6 +18,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +31,7 @@ import pytest
 
 from provisioners.base import APP_TAG, MANAGED_TAG, REQUEST_TAG, LaunchRequest
 from provisioners.errors import InvalidConfigurationError, QuotaExceededError
-from provisioners.local import LocalProvisioner
+from provisioners.local import LocalProvisioner, WorkerRecord
 
 SMALL, LARGE = "emu.cpu.small", "emu.cpu.large"
 SPEEDS = {SMALL: 0.5, LARGE: 1.0, "local.cpu": 1.0}
@@ -217,6 +221,104 @@ def test_local_workers_serve_fail_are_adopted_and_stop(
     gone = first.launch(LaunchRequest("req-small", SMALL, 2, {}))
     assert [i.state for i in gone] == ["terminated", "terminated"]
     assert first.records() == []
+
+
+class CrashError(Exception):
+    """Stands in for the SIGKILL of a control plane at one point of a launch."""
+
+
+def test_a_launch_cut_short_is_resolved_by_the_next_provisioner(
+    tmp_path: Path,
+    trained_family: Path,
+    provisioners: Provisioners,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A control plane killed between a worker's start and the write of its pid leaves a record
+    with the port and no pid: the next provisioner on the directory finds the worker by its
+    ``--worker-id``, adopts it (it answers /health on the recorded port) and terminate ends it.
+    One killed before the start leaves such a record and no process: the next reports it failed
+    (a death event, once) and terminate clears it. One killed before the first record leaves the
+    id in the request ledger only: launching the request again starts nothing. (Each crash is
+    the launch raising at that point; the crashed provisioner is not used again.)"""
+    crashed: dict[str, WorkerRecord] = {}
+
+    def crash_at(where: str, write: Callable[[WorkerRecord], None]) -> Any:
+        def write_or_crash(record: WorkerRecord) -> None:
+            if record.pid is not None:  # started: the fixture ends it, whatever the test finds
+                provisioners.pids.add(record.pid)
+            if where == "after_start" and record.pid is None:
+                write(record)
+                return
+            crashed[where] = record
+            raise CrashError
+
+        return write_or_crash
+
+    def crash_popen(*args: Any, **kwargs: Any) -> None:
+        raise CrashError
+
+    # Killed between the start and the record of the pid (a real worker).
+    started_dir = tmp_path / "started"
+    crashing = provisioners.make(started_dir, models=("tiny",), cache_dir=trained_family)
+    with monkeypatch.context() as patch, pytest.raises(CrashError):
+        patch.setattr(crashing, "_write_record", crash_at("after_start", crashing._write_record))
+        crashing.launch(LaunchRequest("req-started", SMALL, 1, {APP_TAG: "digits"}))
+    (orphan_pid,) = provisioners.pids
+    assert pid_alive(orphan_pid)
+    (path,) = (started_dir / "instances").glob("*.json")
+    left = json.loads(path.read_text())
+    assert left["pid"] is None
+    assert left["provider_id"] == crashed["after_start"].provider_id
+
+    after = provisioners.make(started_dir, models=("tiny",), cache_dir=trained_family)
+    events = [(e.kind, e.message) for e in after.poll_events()]
+    assert events == [("info", f"adopted 1 local worker(s) from {started_dir}")]
+    (adopted,) = after.records()
+    assert (adopted.provider_id, adopted.pid) == (left["provider_id"], orphan_pid)
+    assert adopted.port == left["port"] and adopted.start_ticks is not None
+    wait_for(
+        lambda: states(after) == {adopted.provider_id: "running"},  # /health on the port
+        START_DEADLINE_S,
+        "the adopted worker running",
+    )
+    (again,) = after.launch(LaunchRequest("req-started", SMALL, 1, {APP_TAG: "digits"}))
+    assert (again.provider_id, again.state) == (adopted.provider_id, "running")
+    after.terminate([adopted.provider_id])
+    wait_for(lambda: not after.list({}), STOP_DEADLINE_S, "the adopted worker gone")
+    assert not pid_alive(orphan_pid)
+    assert not list((started_dir / "instances").glob("*.json"))
+
+    # Killed before a first record, and before a start: no process runs (should one start all
+    # the same, a stand-in interpreter that exits at once: nothing is left behind).
+    unstarted_dir = tmp_path / "unstarted"
+    idle = stand_in_python(tmp_path, "exit 3")
+    crashing = provisioners.make(unstarted_dir, python=idle)
+    with monkeypatch.context() as patch, pytest.raises(CrashError):
+        patch.setattr(crashing, "_write_record", crash_at("before_record", crashing._write_record))
+        crashing.launch(LaunchRequest("req-unrecorded", SMALL, 1, {}))
+    with monkeypatch.context() as patch, pytest.raises(CrashError):
+        patch.setattr(subprocess, "Popen", crash_popen)
+        crashing.launch(LaunchRequest("req-unstarted", SMALL, 1, {}))
+    assert not provisioners.pids - {orphan_pid}
+    (path,) = (unstarted_dir / "instances").glob("*.json")
+    left = json.loads(path.read_text())
+    assert left["pid"] is None and left["request_id"] == "req-unstarted"
+
+    after = provisioners.make(unstarted_dir, python=idle)
+    (death,) = after.poll_events()
+    assert (death.kind, death.provider_id) == ("failed", left["provider_id"])
+    assert states(after) == {death.provider_id: "failed"}
+    assert after.poll_events() == []  # said once
+    for request_id, expected in [
+        ("req-unstarted", (death.provider_id, "failed")),
+        ("req-unrecorded", (crashed["before_record"].provider_id, "terminated")),
+    ]:
+        instances = after.launch(LaunchRequest(request_id, SMALL, 1, {}))
+        assert [(i.provider_id, i.state) for i in instances] == [expected]
+    assert [r.provider_id for r in after.records()] == [death.provider_id]
+    after.terminate([death.provider_id])
+    assert after.records() == []
+    assert not provisioners.pids - {orphan_pid}
 
 
 def test_a_worker_that_cannot_load_its_models_is_reported_failed(
