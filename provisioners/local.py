@@ -8,7 +8,8 @@ port; and the state directory through which a restarted control plane finds them
 State directory (one JSON file per thing, written to a temporary name and renamed):
 
 - ``instances/<provider_id>.json``: a :class:`WorkerRecord` (pid, port, type, tags, request id,
-  when it was launched, became ready, exited or was told to stop);
+  when it was launched, became ready, exited or was told to stop), written before the worker's
+  process starts (with the port and no pid) and again once it runs (with the pid);
 - ``requests/<sha256 of the request id>.json``: the provider ids a request id launched, written
   before any process starts, so a repeated :meth:`LocalProvisioner.launch` (also after a crash or
   a restart) returns those and never launches twice;
@@ -22,10 +23,10 @@ state                   when
 ======================  ========================================================================
 ``pending``             its process is alive and ``GET /health`` has not yet answered ``ok``
 ``running``             ``/health`` answered ``ok`` once (afterwards only the process is checked)
-``failed``              the process died without being told to stop, or did not become ready
-                        within ``start_timeout_s``; the death is reported once by
-                        :meth:`~LocalProvisioner.poll_events`; :meth:`~LocalProvisioner.terminate`
-                        clears it
+``failed``              the process died without being told to stop, never started (below), or
+                        did not become ready within ``start_timeout_s``; the death is reported
+                        once by :meth:`~LocalProvisioner.poll_events`;
+                        :meth:`~LocalProvisioner.terminate` clears it
 ``stopping``            SIGTERM was sent; SIGKILL follows after ``grace_s``
 (gone)                  the process has exited after a terminate; its record and log are removed
 ======================  ========================================================================
@@ -35,7 +36,14 @@ record says (``/proc/PID/stat``; a pid reused by another process has another sta
 
 Workers run in sessions of their own (``start_new_session``), so a control plane that stops or
 restarts does not take them down; the next :class:`LocalProvisioner` on the same directory adopts
-them. The listening socket is bound here and handed to the worker (``--listen-fd``), so no other
+them. None runs without a record: a control plane killed between a worker's first record and its
+second leaves one without a pid, which the next read resolves (under the lock, which a launch
+holds from its first write to its last): the process whose command line holds ``--worker-id
+<provider_id>`` (found in ``/proc``) is adopted, with its pid filled in; with none, the worker
+never started (or has ended since) and the record is ``failed``, as a worker that died. A
+request's provider id with no record at all never had a process.
+
+The listening socket is bound here and handed to the worker (``--listen-fd``), so no other
 process can take the port between choosing it and the worker's start.
 """
 
