@@ -416,5 +416,11 @@ def test_launch_refuses_unknown_types_and_past_the_cap_without_starting_anything
         provisioner.launch(LaunchRequest("req-2", SMALL, 3, {}))
     assert quota.value.instance_type == SMALL
     assert provisioner.records() == []
+    # An interpreter that cannot start leaves no record (the one written before the start goes).
+    unstartable = provisioners.make(tmp_path / "unstartable", python=str(tmp_path / "nonesuch"))
+    with pytest.raises(InvalidConfigurationError) as no_python:
+        unstartable.launch(LaunchRequest("req-3", SMALL, 1, {}))
+    assert no_python.value.field == "python"
+    assert unstartable.records() == []
     with pytest.raises(InvalidConfigurationError):
         provisioners.make(tmp_path, catalog_speed={SMALL: 0.0})
