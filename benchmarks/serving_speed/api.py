@@ -79,6 +79,8 @@ SETTLE_SHARE = 0.1
 SETTLE_DEADLINE_S = 120.0
 JSON = {"Content-Type": "application/json"}
 # The figures of each run that are summarised as median and spread over the runs.
+# The decisions a calibration store writes (controlplane.loops.calibration).
+CALIBRATION_KINDS = ("profile_drift", "profile_calibrated", "profile_spread", "serving_overhead")
 FIGURES = (
     "sustained_qps",
     "goodput_qps",
@@ -234,6 +236,26 @@ def settle(pid: int, worker_pids_: Sequence[int]) -> float:
     return time.monotonic() - start
 
 
+def calibration_stores(api: httpx.Client, log_path: Path) -> dict[str, int]:
+    """What the calibration stored over the service's life, by decision kind (each store a
+    decision, repeats counted in one row), and how often the tuner built its sizing ladders
+    (``capacity_builds``: its log lines; each store that re-sizes the app builds them again).
+    On a steady load these are the calibration's noise: each store changes what the planner,
+    admission and the tuner believe."""
+    answer = api.get(
+        f"/v1/apps/{APP}/decisions",
+        params={"kind": ",".join(CALIBRATION_KINDS)},
+    )
+    answer.raise_for_status()
+    stores = dict.fromkeys(CALIBRATION_KINDS, 0)
+    for row in answer.json():
+        stores[row["kind"]] += int(row.get("count", 1))
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    # "tuner: APP: building plan N's capacity curve" (controlplane.loops.live_tuner)
+    stores["capacity_builds"] = text.count("'s capacity curve")
+    return stores
+
+
 def median_spread(values: Sequence[float]) -> dict[str, float]:
     """The median of ``values`` with the smallest and the largest."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
@@ -332,6 +354,7 @@ def measure(
                 run["p99_added_ms"] = None if run["p99_ms"] is None else run["p99_ms"] - direct
                 runs.append(run)
                 local_service.log(json.dumps(run))
+            stores = calibration_stores(api, log_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {
@@ -342,6 +365,7 @@ def measure(
         "direct_p99_ms": direct,
         "settled_s": settled_s,
         "runs": runs,
+        "calibration_stores": stores,
         "service_settings": dict(service_settings or {}),
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -407,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             v = result[key]
             if v is not None:
                 print(f"{key:>18}: {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})")
+        stores = ", ".join(f"{k} {v}" for k, v in result["calibration_stores"].items())
+        print(f"{'calibration':>18}: {stores} (over the service's life)")
         loads = ", ".join(f"{r['loadavg_before'][0]:.2f}" for r in result["runs"])
         print(f"{'load average 1 min':>18}: {loads} (at each run's start)")
         behind = "" if result["loadgen_kept_up"] else " (the load generator fell behind)"
