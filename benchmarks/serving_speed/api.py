@@ -24,9 +24,13 @@ Printed, per run and as the median over ``--runs`` with the spread: ``sustained_
 over the span of the trace), ``p50_ms``, ``p99_ms`` (at the client), ``p99_added_ms`` (the P99
 less the worker round trip's P99, timed straight to a worker with no service in between: the
 control plane's share), ``cpu_ms_per_query`` (the service process's CPU time per query,
-``/proc/<pid>/stat``), ``worker_cpu_ms_per_query`` (the worker agents', together), ``errors``
+``/proc/<pid>/stat``), ``worker_cpu_ms_per_query`` (the worker agents', together),
+``loops_cpu_share`` (the CPU the service's other processes, its loops, used over the run, in
+cores), ``errors``
 and the load generator's ``send_lag_p99_ms``; the load average before and after each run (the
-machine's other work moves these figures: they are recorded, not subtracted). The service runs
+machine's other work moves these figures: they are recorded, not subtracted); and, once per
+service, what the calibration stored over its life (``calibration``: its decisions by kind,
+and the tuner's ladder builds that each store that re-sizes the app sets off). The service runs
 every loop at its default period; before the first run the benchmark waits until the service's
 processes (the serving one and those it started, the worker agents aside) use under a tenth of a
 core over 2 s (:func:`settle`, at most 120 s): the loops process plans and builds the tuner's
@@ -89,6 +93,7 @@ FIGURES = (
     "p99_added_ms",
     "cpu_ms_per_query",
     "worker_cpu_ms_per_query",
+    "loops_cpu_share",
 )
 
 
@@ -165,11 +170,18 @@ def one_run(
         "arrival_s,batch_size\n" + "".join(f"{a:.6f},1\n" for a in arrivals), encoding="utf-8"
     )
     load_before = [round(x, 2) for x in os.getloadavg()]
+    # The service's other processes (its loops process): what their periodic jobs take from
+    # the cores the serving process shares.
+    loops = [p for p in descendants(pid) if p not in worker_pids_]
     before = local_service.cpu_s(pid)
     workers_before = sum(local_service.cpu_s(w) for w in worker_pids_)
+    loops_before = sum(_cpu_or_zero(p) for p in loops)
+    started = time.monotonic()
     summary = load_process(base, token, trace_path, env, args.protocol)
+    wall_s = time.monotonic() - started
     used = local_service.cpu_s(pid) - before
     workers_used = sum(local_service.cpu_s(w) for w in worker_pids_) - workers_before
+    loops_used = sum(_cpu_or_zero(p) for p in loops) - loops_before
     answered = int(summary["answered"])
     return {
         "run": n + 1,
@@ -189,6 +201,7 @@ def one_run(
         "p99_ms": summary.get("p99_ms"),
         "cpu_ms_per_query": 1000.0 * used / max(1, answered),
         "worker_cpu_ms_per_query": 1000.0 * workers_used / max(1, answered),
+        "loops_cpu_share": loops_used / wall_s if wall_s > 0 else 0.0,
         "send_lag_p99_ms": summary.get("send_lag_p99_ms"),
         "outside_p99_ms": summary.get("outside_p99_ms"),
         "loadavg_before": load_before,
