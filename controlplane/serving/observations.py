@@ -44,8 +44,9 @@ denominator and never in its numerator (:func:`account`).
   round trip as the dispatcher measures it, transport and compute, plus the instance's
   turnaround before it with work waiting) per (model, instance type, batch size), the last
   :data:`BATCH_TIMES_KEPT` per key, at a high rate one call in every few so that they span at
-  least a minute (:data:`BATCH_TIMES_SPAN_S`), and a batch size's only once they span
-  :data:`BATCH_EVIDENCE_S`: what the calibration loop compares with the profile in use
+  least a minute (:data:`BATCH_TIMES_SPAN_S`), a batch size's only once they span
+  :data:`BATCH_EVIDENCE_S` (no values until then): what the calibration loop compares with the
+  profile in use
   (:mod:`controlplane.policies.calibration`).
 
 The event loop writes; the roll-up job and the API's threads read: every method takes a lock.
@@ -386,9 +387,14 @@ def summarise(
     )
 
 
+# SpannedSample sets its rate from this many values when they come within a second.
+RATE_FIRST_VALUES = 8
+
+
 class SpannedSample:
-    """The newest ``kept`` values of a stream, taking one in every n, n set once a second from the
-    stream's rate so that the kept values span at least ``span_s`` (every value at a rate where
+    """The newest ``kept`` values of a stream, taking one in every n, n set from the stream's rate
+    (once a second, or from its first :data:`RATE_FIRST_VALUES` values where those come faster)
+    so that the kept values span at least ``span_s`` (every value at a rate where
     they would anyway; every value also when :meth:`add` is given no time). A calibration's
     evidence is then the last minute's, not the last half-second's at a high rate.
     ``evidence_s``: the time from the first value kept since the start or the last
@@ -418,7 +424,9 @@ class SpannedSample:
                 self.since_s = now_s
             self.count += 1
             elapsed_s = now_s - self.since_s
-            if elapsed_s >= 1.0:
+            # Once a second, and at the first few values of a fresh stream or a surge after a
+            # lull (else a second of them would all be kept: 1,000 of 1,024 at 2,000 q/s).
+            if elapsed_s >= 1.0 or (self.count >= RATE_FIRST_VALUES and elapsed_s > 0):
                 rate = self.count / elapsed_s
                 kept = self.values.maxlen or 1
                 self.every = max(1, math.ceil(rate * self.span_s / kept))
@@ -464,7 +472,7 @@ class _App:
         "window_since_s",
     )
 
-    def __init__(self, now_s: float) -> None:
+    def __init__(self, now_s: float, api_span_s: float = API_TIMES_SPAN_S) -> None:
         self.arrivals = np.empty(ARRIVALS_KEPT, dtype=np.float64)
         self.head = 0  # next slot to write
         self.size = 0
@@ -479,7 +487,7 @@ class _App:
         # api, queue, transport, compute, total (ms) summed over the answered queries
         self.stage_sum_ms = [0.0, 0.0, 0.0, 0.0, 0.0]
         # the newest answered queries' own time, Split.own_ms (the calibration loop's overhead)
-        self.own_ms = SpannedSample(API_TIMES_KEPT, API_TIMES_SPAN_S)
+        self.own_ms = SpannedSample(API_TIMES_KEPT, api_span_s)
         self.buckets: dict[Outcome, list[int]] = {}
         self.outcome_sum_ms: dict[Outcome, float] = {}
         self.window_since_s = now_s
@@ -635,10 +643,18 @@ class Observations:
     serving threads' CPU seconds (:class:`CpuMeter`; None: the threads that record answers)."""
 
     def __init__(
-        self, cpu_s: Callable[[], float] | None = None, batch_evidence_s: float = BATCH_EVIDENCE_S
+        self,
+        cpu_s: Callable[[], float] | None = None,
+        *,
+        span_s: float | None = None,
+        batch_evidence_s: float = BATCH_EVIDENCE_S,
     ) -> None:
         self._cpu = CpuMeter(cpu_s)
-        # a batch size's times are read once they span this long (BATCH_EVIDENCE_S)
+        # the API times and batch times kept span this long (None: API_TIMES_SPAN_S and
+        # BATCH_TIMES_SPAN_S; 0: every one kept), a batch size's are read once they span
+        # batch_evidence_s (BATCH_EVIDENCE_S; 0: at once): tests of milliseconds take 0
+        self._api_span_s = API_TIMES_SPAN_S if span_s is None else span_s
+        self._batch_span_s = BATCH_TIMES_SPAN_S if span_s is None else span_s
         self._batch_evidence_s = batch_evidence_s
         self._lock = threading.Lock()
         self._apps: dict[str, _App] = {}
@@ -648,7 +664,7 @@ class Observations:
     def _app(self, app: str, now_s: float) -> _App:
         found = self._apps.get(app)
         if found is None:
-            found = self._apps[app] = _App(now_s)
+            found = self._apps[app] = _App(now_s, self._api_span_s)
         return found
 
     # --- what the loop reports ----------------------------------------------------------------
@@ -759,7 +775,7 @@ class Observations:
         with self._lock:
             kept = self._batch_times.get(key)
             if kept is None:
-                kept = SpannedSample(BATCH_TIMES_KEPT, BATCH_TIMES_SPAN_S)
+                kept = SpannedSample(BATCH_TIMES_KEPT, self._batch_span_s)
                 self._batch_times[key] = kept
             kept.add(float(service_ms), now_s)
 
@@ -841,17 +857,20 @@ class Observations:
 
     def batch_times_ms(self, app: str) -> dict[tuple[str, str], dict[int, list[float]]]:
         """The kept batch service times of ``app``: (model, instance type) -> batch size -> ms,
-        oldest first (empty when it had none); a batch size's only once they span
+        oldest first (empty when it had none); a batch size's values only once they span
         ``batch_evidence_s`` (:data:`BATCH_EVIDENCE_S`; since the start or the last
-        :meth:`forget_batch_times`)."""
+        :meth:`forget_batch_times`), an empty list until then."""
         found: dict[tuple[str, str], dict[int, list[float]]] = {}
         with self._lock:
             for (name, model, instance_type, batch), kept in self._batch_times.items():
-                evidence_s = kept.evidence_s
-                if evidence_s is not None and evidence_s < self._batch_evidence_s:
+                if name != app or not kept.values:
                     continue
-                if name == app and kept.values:
-                    found.setdefault((model, instance_type), {})[batch] = list(kept.values)
+                evidence_s = kept.evidence_s
+                short = evidence_s is not None and evidence_s < self._batch_evidence_s
+                # Withheld with no values, not left out: the pair is known, so that a hold's
+                # forget (controlplane.loops.calibration) drops what was kept meanwhile too.
+                by_size = found.setdefault((model, instance_type), {})
+                by_size[batch] = [] if short else list(kept.values)
         return found
 
     def serving_cpu_ms(self, app: str, now_s: float) -> float | None:

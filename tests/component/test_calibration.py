@@ -463,6 +463,10 @@ def test_batch_times_beside_a_profile_run_on_the_same_host_are_not_judged(
         state="running",
     )
     serve(observations, 1, 60.0, 20)  # three times the profile's: the run's contention
+    # Calls of another batch size, timed: too few seconds of them to be read yet (withheld
+    # until they span BATCH_EVIDENCE_S), and dropped all the same.
+    for i in range(20):
+        observations.batch_served(APP, "tiny", SMALL, 2, 60.0, i * 0.1)
     answer(observations, 9.0, 60)  # the serving process slowed by it as well
     assert loop.tick() == []
     assert observations.batch_times_ms(APP) == {}  # dropped, not kept for after the run
@@ -472,6 +476,10 @@ def test_batch_times_beside_a_profile_run_on_the_same_host_are_not_judged(
 
     for state in ("terminating", "terminated"):  # the run ended: its worker goes
         store.transition_instance(worker.id, state, reason="the profile run ended")
+    for i in range(20):  # 12-14 s: with the run's calls they would span 14 s and be read
+        observations.batch_served(APP, "tiny", SMALL, 2, 20.0, 12.0 + i * 0.1)
+    calls = observations.batch_times_ms(APP)[("tiny", SMALL)][2]
+    assert 60.0 not in calls
     serve(observations, 1, 20.0, 10)  # the workers' own speed again: no drift
     answer(observations, 1.0, 60)  # and the service's own time: what is stored
     assert loop.tick() == []
@@ -515,9 +523,10 @@ def test_the_dispatcher_records_each_calls_round_trip_per_key() -> None:
             profiles=profiles,
             prices_usd_per_hr={SMALL: 0.05},
         )
-        # every batch read at once (the service holds a batch size back until its times span
-        # BATCH_EVIDENCE_S: tests/unit/test_observations_accounting.py)
-        observations = Observations(batch_evidence_s=0.0)
+        # every batch kept and read at once (the service keeps one in every few so that they
+        # span a minute, and holds a batch size back until its times span BATCH_EVIDENCE_S:
+        # tests/unit/test_observations_accounting.py)
+        observations = Observations(span_s=0.0, batch_evidence_s=0.0)
         dispatcher = AppDispatcher(
             app,
             HttpWorkerTransport(),
@@ -619,9 +628,10 @@ def test_an_instances_turnaround_with_work_waiting_is_its_service_time_not_the_q
     query's own lag (the simulated queue holds it)."""
 
     async def scenario() -> None:
-        # every batch read at once (the service holds a batch size back until its times span
-        # BATCH_EVIDENCE_S: tests/unit/test_observations_accounting.py)
-        observations = Observations(batch_evidence_s=0.0)
+        # every batch kept and read at once (the service keeps one in every few so that they
+        # span a minute, and holds a batch size back until its times span BATCH_EVIDENCE_S:
+        # tests/unit/test_observations_accounting.py)
+        observations = Observations(span_s=0.0, batch_evidence_s=0.0)
         clock = [100.0]
         transport = _ClockedTransport(clock, call_ms=2.0, turn_ms=3.0)
         dispatcher = clocked_dispatcher(transport, observations, clock)
@@ -671,9 +681,10 @@ def test_a_query_back_from_a_failed_batch_adds_no_turnaround_to_an_instance_long
     alone (8 ms more would make the calibration see an instance five times as slow)."""
 
     async def scenario() -> None:
-        # every batch read at once (the service holds a batch size back until its times span
-        # BATCH_EVIDENCE_S: tests/unit/test_observations_accounting.py)
-        observations = Observations(batch_evidence_s=0.0)
+        # every batch kept and read at once (the service keeps one in every few so that they
+        # span a minute, and holds a batch size back until its times span BATCH_EVIDENCE_S:
+        # tests/unit/test_observations_accounting.py)
+        observations = Observations(span_s=0.0, batch_evidence_s=0.0)
         clock = [100.0]
         transport = _FailingFirstTransport(clock, call_ms=2.0, fail_after_ms=8.0)
         dispatcher = clocked_dispatcher(transport, observations, clock)
@@ -816,7 +827,9 @@ def test_the_serving_processs_cpu_per_query_is_stored_and_its_queue_is_in_the_pl
 
     store.create_app(spec(tmp_path), who="test")
     cpu = [0.0]
-    observations = Observations(cpu_s=lambda: cpu[0])
+    # every query kept (250 of them in 2.5 s a window: the service keeps one in every few so
+    # that they span a minute)
+    observations = Observations(cpu_s=lambda: cpu[0], span_s=0.0)
     clock = FakeClock()
     resolver = AppResolver(tmp_path, overheads=stored_overhead(store))
     loop = calibrator(store, observations, resolver, clock)

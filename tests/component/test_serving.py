@@ -157,7 +157,10 @@ async def dispatcher_over(
     dispatcher = AppDispatcher(
         app or config(),
         HttpWorkerTransport(),
-        Observations(),
+        # every batch time kept and read at once: these runs last milliseconds (the service
+        # keeps one in every few so that they span a minute, and holds a batch size's back
+        # until they span BATCH_EVIDENCE_S)
+        Observations(span_s=0.0, batch_evidence_s=0.0),
         settings=DispatcherSettings(**settings),
         **extra,
     )
