@@ -353,6 +353,17 @@ class LocalProvisioner:
                 record = self._read_record(provider_id)
                 if record is None:
                     continue
+                if record.pid is None:
+                    # Resolved as never started: looked for once more before it is forgotten (a
+                    # launch killed between its fork and its exec leaves a child that holds no
+                    # lock and shows the parent's command line for a moment).
+                    found = _find_worker(record.provider_id)
+                    if found is not None:
+                        stat = _proc_stat(found)
+                        record = replace(
+                            record, pid=found, start_ticks=stat.start_ticks if stat else None
+                        )
+                        self._write_record(record)
                 if not self._alive(record):
                     self._forget(record)
                     continue
@@ -490,7 +501,12 @@ class LocalProvisioner:
                 tags=dict(tags),
                 launched_at=_now(),
             )
-            self._write_record(record)
+            try:
+                self._write_record(record)
+            except OSError as error:  # the state directory, not the interpreter
+                raise InvalidConfigurationError(
+                    "state_dir", f"cannot record worker {provider_id}: {error}"
+                ) from None
             log_path = self.state_dir / "logs" / f"{provider_id}.log"
             with log_path.open("ab") as log:
                 process = subprocess.Popen(

@@ -357,7 +357,7 @@ def measure(
             records = worker_records(data_dir)
             direct = direct_p99_ms(records[0], inputs)
             local_service.log(f"straight to a worker: p99 {direct:.2f} ms")
-            workers = [record.pid for record in records]
+            workers = [record.pid for record in records if record.pid is not None]
             settled_s = settle(process.pid, workers)
             local_service.log(f"the service quiet after {settled_s:.0f} s")
             env = local_service.clean_env()

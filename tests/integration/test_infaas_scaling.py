@@ -128,7 +128,8 @@ class _Watch:
         rows: list[dict[str, Any]] = self.api.get("/v1/instances", params={"app": APP}).json()
         self.most_kept = max(self.most_kept, sum(r["state"] in KEPT for r in rows))
         for record in self.provisioner.records():
-            self.pids.setdefault(record.provider_id, record.pid)
+            if record.pid is not None:  # None: a launch cut short, never started
+                self.pids.setdefault(record.provider_id, record.pid)
         return rows
 
     def running(self) -> list[dict[str, Any]]:

@@ -117,7 +117,8 @@ class _Watch:
         assert cost <= BUDGET_USD_PER_HR + 1e-9, f"the kept fleet costs {cost} > budget: {kept}"
         self.most_kept = max(self.most_kept, len(kept))
         for record in self.provisioner.records():
-            self.pids.setdefault(record.provider_id, record.pid)
+            if record.pid is not None:  # None: a launch cut short, never started
+                self.pids.setdefault(record.provider_id, record.pid)
         return rows
 
     def running(self) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -319,6 +320,40 @@ def test_a_launch_cut_short_is_resolved_by_the_next_provisioner(
     after.terminate([death.provider_id])
     assert after.records() == []
     assert not provisioners.pids - {orphan_pid}
+
+
+def test_terminate_looks_again_for_a_worker_resolved_as_never_started(
+    tmp_path: Path, provisioners: Provisioners, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch killed between its fork and its exec leaves, for a moment, a child that holds
+    no lock and shows the parent's command line: a provisioner reading then resolves the record
+    as never started, and the worker then runs. The reconciler terminates a failed worker; the
+    terminate looks for it once more, by its ``--worker-id``, and ends it."""
+    idle = stand_in_python(tmp_path, "exit 3")
+    crashing = provisioners.make(tmp_path / "state", python=idle)
+
+    def crash_popen(*args: Any, **kwargs: Any) -> None:
+        raise CrashError
+
+    with monkeypatch.context() as patch, pytest.raises(CrashError):
+        patch.setattr(subprocess, "Popen", crash_popen)
+        crashing.launch(LaunchRequest("req-late", SMALL, 1, {}))
+    after = provisioners.make(tmp_path / "state", python=idle)
+    (record,) = after.records()
+    assert record.pid is None and record.exited_at is not None  # resolved: never started
+    # The worker execs now: a process of its own session with the worker id.
+    late = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)", "--worker-id", record.provider_id],
+        start_new_session=True,
+    )
+    provisioners.pids.add(late.pid)
+    # Its command line, once the exec has set it up (for a moment after Popen returns it reads
+    # empty: the kernel wakes a vfork's parent before the new program's arguments are mapped).
+    cmdline = Path(f"/proc/{late.pid}/cmdline")
+    wait_for(lambda: record.provider_id.encode() in cmdline.read_bytes(), 10.0, "the exec")
+    after.terminate([record.provider_id])
+    wait_for(lambda: late.poll() is not None, STOP_DEADLINE_S, "the late worker ended")
+    wait_for(lambda: not after.list({}), STOP_DEADLINE_S, "its record forgotten")
 
 
 def test_a_worker_that_cannot_load_its_models_is_reported_failed(

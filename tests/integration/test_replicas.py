@@ -449,7 +449,7 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
                 # list() first, records() second: the leader may launch a worker between the two
                 # reads, and a record read first would lack the newcomer that list() then sees.
                 listed = [i.provider_id for i in local.list({})]
-                pids = {r.provider_id: r.pid for r in local.records()}
+                pids = {r.provider_id: r.pid for r in local.records() if r.pid is not None}
                 return {i: pids[i] for i in listed if i in pids}
             finally:
                 local.close()
