@@ -152,6 +152,14 @@ def test_a_window_and_the_totals_count_every_outcome() -> None:
     assert totals.latency_outcome_sum_ms["refused"] == 3.0
 
 
+def answer_at(seen: Observations, app: str, rate: int, start_s: int, end_s: int) -> None:
+    """Queries of ``app`` answered at ``rate`` a second from ``start_s`` to ``end_s``, each
+    query's own time its answer time (ms)."""
+    for i in range(start_s * rate, end_s * rate):
+        t = i / rate
+        seen.answered(app, t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+
+
 def test_the_api_times_kept_span_a_minute_at_a_high_rate_and_every_query_at_a_low_one() -> None:
     kept = observations.API_TIMES_KEPT
     span_s = observations.API_TIMES_SPAN_S
@@ -159,9 +167,7 @@ def test_the_api_times_kept_span_a_minute_at_a_high_rate_and_every_query_at_a_lo
     # 100 s at 2,000 answered queries a second, each query's own time its arrival time (ms):
     # the newest API_TIMES_KEPT would be the last half-second's.
     rate = 2000
-    for i in range(100 * rate):
-        t = i / rate
-        seen.answered("busy", t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+    answer_at(seen, "busy", rate, 0, 100)
     times = seen.api_times_ms("busy")
     assert len(times) == kept
     spans_evenly(times, newest=100_000.0, span=span_s * 1000.0)
@@ -173,9 +179,7 @@ def test_the_api_times_kept_span_a_minute_at_a_high_rate_and_every_query_at_a_lo
     # Forgotten (a profile run beside them), the fresh ones span the minute again at once.
     seen.forget_api_times("busy")
     assert seen.api_times_ms("busy") == []
-    for i in range(100 * rate, 110 * rate):
-        t = i / rate
-        seen.answered("busy", t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+    answer_at(seen, "busy", rate, 100, 110)
     assert len(seen.api_times_ms("busy")) <= kept * 10 / span_s * 1.1
 
 
@@ -220,17 +224,13 @@ def test_a_fresh_stream_and_a_surge_after_a_lull_are_thinned_from_their_first_va
     seen = Observations()
     rate = 2000
     # 10 s at 2,000 q/s from the first query: of the first second, a few dozen kept, not 1,000.
-    for i in range(10 * rate):
-        t = i / rate
-        seen.answered("app", t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+    answer_at(seen, "app", rate, 0, 10)
     times = seen.api_times_ms("app")
     in_first_second = sum(1 for ms in times if ms < 1000.0)
     assert in_first_second <= 2 * first + rate / -(-rate * 60 // kept)
     # Then a minute without a query, and 2,000 q/s again for 10 s: the surge's first second
     # is not most of what is kept.
-    for i in range(70 * rate, 80 * rate):
-        t = i / rate
-        seen.answered("app", t, 1.0, late=False, models=["m"], split=Split(api_ms=t * 1000.0))
+    answer_at(seen, "app", rate, 70, 80)
     times = seen.api_times_ms("app")
     surge_first_second = sum(1 for ms in times if 70_000.0 <= ms < 71_000.0)
     assert surge_first_second <= 2 * first + rate / -(-rate * 60 // kept)
