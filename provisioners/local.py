@@ -359,11 +359,7 @@ class LocalProvisioner:
                     # lock and shows the parent's command line for a moment).
                     found = _find_worker(record.provider_id)
                     if found is not None:
-                        stat = _proc_stat(found)
-                        record = replace(
-                            record, pid=found, start_ticks=stat.start_ticks if stat else None
-                        )
-                        self._write_record(record)
+                        record = self._adopt(record, found)
                 if not self._alive(record):
                     self._forget(record)
                     continue
@@ -528,13 +524,7 @@ class LocalProvisioner:
         finally:
             listener.close()
         self._children[provider_id] = process
-        record = replace(
-            record,
-            pid=process.pid,
-            start_ticks=stat.start_ticks if (stat := _proc_stat(process.pid)) else None,
-        )
-        self._write_record(record)
-        return record
+        return self._adopt(record, process.pid)
 
     def _command(
         self,
@@ -867,6 +857,13 @@ class LocalProvisioner:
             return self._resolve(record)
         return record
 
+    def _adopt(self, record: WorkerRecord, pid: int) -> WorkerRecord:
+        """``record`` with its process ``pid`` and that process's start time, written."""
+        stat = _proc_stat(pid)
+        found = replace(record, pid=pid, start_ticks=stat.start_ticks if stat else None)
+        self._write_record(found)
+        return found
+
     def _resolve(self, record: WorkerRecord) -> WorkerRecord:
         """A record without a pid, written before its worker's start by a launch cut short
         before the pid was written (every read is under the lock, which a launch holds from its
@@ -877,10 +874,7 @@ class LocalProvisioner:
         child = self._children.get(record.provider_id)
         pid = child.pid if child is not None else _find_worker(record.provider_id)
         if pid is not None:
-            stat = _proc_stat(pid)
-            found = replace(record, pid=pid, start_ticks=stat.start_ticks if stat else None)
-            self._write_record(found)
-            return found
+            return self._adopt(record, pid)
         gone = replace(record, exited_at=_now())
         self._write_record(gone)
         last = self._log_tail(record.provider_id)
