@@ -1,16 +1,17 @@
 """A real moto server on 127.0.0.1 for the tests that talk to EC2 through boto3 over HTTP.
 
-``moto_server`` (session scope) starts ``python -m moto.server`` on a free port as a subprocess
-and waits for it (polling, with a deadline); ``aws_env`` points boto3 at it the standard way
-(``AWS_ENDPOINT_URL``, dummy credentials, a region; no user config files) and resets its state for
-each test; ``ec2_network`` makes a VPC with one subnet in each of two zones and a security group.
-Where moto is not installed, the tests that use them are skipped with the reason.
+``moto_server`` starts ``python -m moto.server`` on a free port as a subprocess, once per test
+process, and waits for it (polling, with a deadline); ``aws_env`` points boto3 at it the standard
+way (``AWS_ENDPOINT_URL``, dummy credentials, a region; no user config files) and resets its
+state for each test; ``ec2_network`` makes a VPC with one subnet in each of two zones and a
+security group. Where moto is not installed, the tests that use them are skipped with the reason.
 
 Import the fixtures into a test module (``from tests.integration.moto_server import ...``).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import subprocess
@@ -18,7 +19,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,36 +45,54 @@ def _answers(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The URL of a moto server on 127.0.0.1 that lives for the session."""
-    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
-        pytest.skip("moto[server] is not installed (pip install -e '.[test]')")
+# The server of this test process: the modules that use the fixtures import them into their own
+# namespace, so each is a fixture of its own to pytest and a session-scoped one would start a
+# server per module, each living to the session's end (moto's start is several seconds of a
+# core). One process serves them all; ``aws_env`` resets its state for every test.
+_SERVER: tuple[subprocess.Popen[bytes], str] | None = None
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _start(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = Path(tmp_path_factory.mktemp("moto")) / "moto.log"
+    log = folder / "moto.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-    try:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while not _answers(f"{url}/moto-api/"):
-            if process.poll() is not None:
-                pytest.fail(f"moto server exited with {process.returncode}: {log.read_text()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"moto server did not answer within {_START_TIMEOUT_S:g} s")
-            time.sleep(0.1)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while not _answers(f"{url}/moto-api/"):
+        if process.poll() is not None:
+            pytest.fail(f"moto server exited with {process.returncode}: {log.read_text()}")
+        if time.monotonic() > deadline:
+            _stop(process)
+            pytest.fail(f"moto server did not answer within {_START_TIMEOUT_S:g} s")
+        time.sleep(0.1)
+    atexit.register(_stop, process)
+    return process, url
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The URL of a moto server on 127.0.0.1 that lives for the test process (one for every
+    module that imports this fixture; started again should it have exited)."""
+    global _SERVER
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        pytest.skip("moto[server] is not installed (pip install -e '.[test]')")
+    if _SERVER is None or _SERVER[0].poll() is not None:
+        _SERVER = _start(Path(tmp_path_factory.mktemp("moto")))
+    return _SERVER[1]
 
 
 @pytest.fixture
