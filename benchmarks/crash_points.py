@@ -94,10 +94,22 @@ _KEPT_ROWS = frozenset(s.value for s in KEPT_STATES)
 # --- the service -------------------------------------------------------------------------------
 
 
+# What starts a service's process: subprocess.Popen, or a callable taking its arguments that
+# returns what answers as one (the tests fork it from a process that has imported the service:
+# tests/serve_forks.py).
+Launch = Callable[..., Any]
+
+
 class Service:
     """``heteroplane serve`` on ``data_dir`` (local provisioner), optionally crash-hooked."""
 
-    def __init__(self, data_dir: Path, token: str, crash_at: str | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        token: str,
+        crash_at: str | None = None,
+        launch: Launch = subprocess.Popen,
+    ) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -108,7 +120,7 @@ class Service:
             env[CRASH_AT_ENV] = crash_at
         self.log_path = data_dir / f"serve-{'crash' if crash_at else 'after'}.log"
         self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
+        self.process = launch(
             [sys.executable, "-m", "controlplane", "serve", "--port", str(self.port)],
             cwd=ROOT,
             env=env,
@@ -459,14 +471,17 @@ class Result:
         )
 
 
-def run_point(point: str, workdir: Path, *, finish: bool = True) -> Result:
-    """Crash the service at ``point``, restart it, check (module docstring)."""
+def run_point(
+    point: str, workdir: Path, *, finish: bool = True, launch: Launch = subprocess.Popen
+) -> Result:
+    """Crash the service at ``point``, restart it, check (module docstring); each service's
+    process started by ``launch``."""
     result = Result(point)
     data_dir = workdir / point
     data_dir.mkdir(parents=True)
     token = issue_token(data_dir, "crash-points")
     model_file = family_onnx(data_dir / "clf.onnx")
-    service = Service(data_dir, token, crash_at=point)
+    service = Service(data_dir, token, crash_at=point, launch=launch)
     interrupted: int | None = None
     try:
         for index, operation in enumerate(OPERATIONS):
@@ -485,7 +500,7 @@ def run_point(point: str, workdir: Path, *, finish: bool = True) -> Result:
         stop_workers(data_dir / LOCAL_WORKERS_DIR, MODEL)
         return result
     result.operation = OPERATIONS[interrupted].name
-    again = Service(data_dir, token)
+    again = Service(data_dir, token, launch=launch)
     try:
         started_s = time.monotonic()
         deadline = started_s + SETTLE_S

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -77,13 +77,16 @@ def log_since(path: Path, offset: int) -> str:
 PORT_TRIES = 3
 
 
+P = TypeVar("P")  # a subprocess.Popen, or what tests/serve_forks.py forks
+
+
 def start_on_a_free_port(
-    launch: Callable[[int], subprocess.Popen[bytes]],
+    launch: Callable[[int], P],
     log: Path,
     ready_line: Callable[[str], str],
     what: str,
     deadline_s: float,
-) -> tuple[subprocess.Popen[bytes], int]:
+) -> tuple[P, int]:
     """Start a service process with ``launch(port)`` on a free loopback port, its output
     appended to ``log``; the process and its port once its own lines (past what ``log`` held
     before) say ``ready_line(url)`` and ``url``/healthz answers. Its log line is waited for, not

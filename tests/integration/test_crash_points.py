@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.crash_points import run_point, table
+from tests.serve_forks import popen
 
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
@@ -36,7 +37,8 @@ pytest.importorskip("onnxruntime")
 def test_a_crash_at_the_point_leaves_nothing_behind(
     point: str, operation: str, tmp_path: Path
 ) -> None:
-    result = run_point(point, tmp_path, finish=False)
+    # The services forked from a process that has imported the service (tests/serve_forks.py).
+    result = run_point(point, tmp_path, finish=False, launch=popen)
     report = table([result])
     assert result.error == "", report
     assert result.operation == operation, report

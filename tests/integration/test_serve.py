@@ -27,6 +27,7 @@ from controlplane.db.store import Store
 from controlplane.settings import DATABASE_FILE
 from tests.conftest import KAIROS_CSV, needs_shared
 from tests.integration.conftest import free_port, start_on_a_free_port
+from tests.serve_forks import Forked, popen
 
 REPO = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 60.0
@@ -47,7 +48,8 @@ def service_env(data_dir: Path, **settings: str) -> dict[str, str]:
 
 
 class Server:
-    """``python -m controlplane serve`` on a free loopback port."""
+    """``python -m controlplane serve`` on a free loopback port (forked from the test process's
+    fork server: tests/serve_forks.py)."""
 
     def __init__(self, data_dir: Path, log: Path, *, role: str = "all", **settings: str) -> None:
         self.data_dir = data_dir
@@ -56,11 +58,10 @@ class Server:
         roles = () if role == "all" else ("--role", role)
         env = service_env(data_dir, **settings)
 
-        def launch(port: int) -> subprocess.Popen[bytes]:
+        def launch(port: int) -> Forked | subprocess.Popen[bytes]:
+            # Forked from a process that has imported the service (tests/serve_forks.py).
             command = [sys.executable, "-m", "controlplane", "serve", "--port", str(port), *roles]
-            return subprocess.Popen(
-                command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
-            )
+            return popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
         self.process, self.port = start_on_a_free_port(
             launch, log, lambda url: f"heteroplane serving on {url} ", "serve", START_DEADLINE_S

@@ -1,0 +1,243 @@
+"""The tests' ``heteroplane serve`` processes, forked from a process that has imported the service.
+
+A ``python -m controlplane serve`` spends most of its start importing the service (FastAPI,
+SQLAlchemy, Alembic, uvicorn, gRPC, numba, the planner: 1.5-2.5 s of a core before it does
+anything), and the integration tests start dozens. :func:`popen` starts such a command as a child
+of a *fork server*: ``python -m tests.serve_forks``, started once per test process, which imports
+what a ``serve`` imports and then forks one child per request, already imported, as the service's
+own zygote forks its loops process (controlplane/cli/loops_process.py). The child is a real
+``heteroplane serve`` from there on: it runs ``python -m controlplane`` (:mod:`runpy`) with the
+request's arguments, environment, working directory and standard streams, in the test process's
+process group, with Python's default signal handlers, fresh random seeds and no other
+descriptor, and exits as that command exits (atexit handlers, flushed streams, its threads
+joined). Only the imports and ``/proc/PID/cmdline`` (the fork server's) differ from a
+:class:`subprocess.Popen` of the same command; the command itself as a user runs it is tested
+by the demo's tests (tests/integration/test_demo.py) and ``tests/unit/test_cli_startup.py``.
+
+:func:`popen` returns a :class:`Forked`, which answers what the tests ask of a
+:class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``,
+``kill``, ``returncode``): the fork server reports each child's pid and, once it has reaped it,
+its exit status over a socket of that child's own. A command that is not ``[sys.executable,
+"-m", "controlplane", "serve", ...]``, or a fork server that cannot start, gets a
+:class:`subprocess.Popen` as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+_MESSAGE_MAX = 1 << 20
+_ANSWER_S = 30.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Forked:
+    """A ``serve`` process forked by the fork server: a :class:`subprocess.Popen`'s answers."""
+
+    def __init__(self, args: Sequence[str], pid: int, conn: socket.socket) -> None:
+        self.args = list(args)
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn = conn
+
+    def _read(self, timeout: float | None) -> None:
+        """The exit status, when it comes within ``timeout`` (None: however long)."""
+        if self.returncode is not None:
+            return
+        ready, _, _ = select.select([self._conn], [], [], timeout)
+        if not ready:
+            return
+        try:
+            message = self._conn.recv(_MESSAGE_MAX)
+        except OSError:
+            message = b""
+        # The fork server gone without a word: it ended the child as it went (SIGKILL).
+        self.returncode = int(json.loads(message)["code"]) if message else -signal.SIGKILL
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _ForkServer:
+    """The test process's end of its fork server."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tests.serve_forks", str(theirs.fileno())],
+            cwd=REPO,
+            pass_fds=[theirs.fileno()],
+        )
+        theirs.close()
+        self._conn = ours
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def spawn(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        cwd: Path | str,
+        streams: tuple[int, int, int],
+    ) -> Forked:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            request = {"argv": list(args[3:]), "env": dict(env), "cwd": str(cwd)}
+            socket.send_fds(self._conn, [json.dumps(request).encode()], [theirs.fileno(), *streams])
+        finally:
+            theirs.close()
+        ready, _, _ = select.select([ours], [], [], _ANSWER_S)
+        message = ours.recv(_MESSAGE_MAX) if ready else b""
+        if not message:
+            ours.close()
+            raise OSError("the fork server did not start the process")
+        return Forked(args, int(json.loads(message)["started"]), ours)
+
+
+_SERVER: list[_ForkServer] = []
+
+
+def _fork_server() -> _ForkServer:
+    if not _SERVER or not _SERVER[0].alive():
+        _SERVER[:] = [_ForkServer()]
+    return _SERVER[0]
+
+
+def _fd(stream: IO[Any] | int | None, default: int) -> int | None:
+    """The descriptor of ``stream`` as Popen takes it; None for a pipe or DEVNULL (not forked)."""
+    if stream is None:
+        return default
+    if isinstance(stream, int):
+        return stream if stream >= 0 else None
+    return stream.fileno()
+
+
+def popen(
+    args: Sequence[str],
+    *,
+    cwd: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[Any] | int | None = None,
+    stderr: IO[Any] | int | None = None,
+) -> Forked | subprocess.Popen[bytes]:
+    """``args`` started as :class:`subprocess.Popen` starts them (``stderr`` may be
+    :data:`subprocess.STDOUT`), forked from the fork server when they are a ``python -m
+    controlplane serve`` whose streams are files or inherited."""
+    out = _fd(stdout, 1)
+    err = out if stderr == subprocess.STDOUT else _fd(stderr, 2)
+    if list(args[:4]) == [sys.executable, "-m", "controlplane", "serve"] and None not in (out, err):
+        assert out is not None and err is not None
+        try:
+            return _fork_server().spawn(
+                args, os.environ if env is None else env, cwd or Path.cwd(), (0, out, err)
+            )
+        except OSError:
+            pass  # started as before
+    return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+
+
+# The fork server itself.
+
+
+def _serve_requests(conn: socket.socket) -> dict[str, Any]:
+    """Fork a child for each request over ``conn`` and report its pid and exit status to the
+    request's own socket; return, in a child, its request (its streams in place). When the test
+    process's end closes, end the children still running and exit."""
+    children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, reply socket)
+    while True:
+        ready, _, _ = select.select([conn, *children], [], [])
+        for pidfd in [fd for fd in ready if fd in children]:
+            pid, reply = children.pop(pidfd)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            os.close(pidfd)
+            with contextlib.suppress(OSError):  # the test no longer listens
+                reply.send(json.dumps({"code": code}).encode())
+            reply.close()
+        if conn not in ready:
+            continue
+        try:
+            message, fds, _flags, _address = socket.recv_fds(conn, _MESSAGE_MAX, 4)
+        except OSError:
+            message, fds = b"", []
+        if not message:  # the test process is gone
+            for pid, _reply in children.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise SystemExit(0)
+        reply = socket.socket(fileno=fds[0])
+        request: dict[str, Any] = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            reply.close()
+            for pidfd, (_pid, other) in children.items():
+                os.close(pidfd)
+                other.close()
+            for target, fd in enumerate(fds[1:]):
+                os.dup2(fd, target)
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            return request
+        for fd in fds[1:]:
+            os.close(fd)
+        children[os.pidfd_open(pid)] = (pid, reply)
+        with contextlib.suppress(OSError):
+            reply.send(json.dumps({"started": pid}).encode())
+
+
+def _main(fd: int) -> None:
+    import random
+
+    import numpy
+
+    # What a `serve` imports before it serves (its command's module imports the service).
+    import controlplane.cli
+    import controlplane.cli.serve  # noqa: F401
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C ends the tests, which end this
+    request = _serve_requests(socket.socket(fileno=fd))
+    # A child: a fresh process's state, then the command.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    random.seed()
+    numpy.random.seed()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    import runpy
+
+    sys.argv = ["controlplane", *request["argv"]]
+    runpy.run_module("controlplane", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))
