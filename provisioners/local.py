@@ -24,7 +24,8 @@ state                   when
 ``pending``             its process is alive and ``GET /health`` has not yet answered ``ok``
 ``running``             ``/health`` answered ``ok`` once (afterwards only the process is checked)
 ``failed``              the process died without being told to stop, never started (below), or
-                        did not become ready within ``start_timeout_s``; the death is reported
+                        did not become ready within ``start_timeout_s`` (``/health`` is asked
+                        once more past the timeout before it is failed); the death is reported
                         once by :meth:`~LocalProvisioner.poll_events`;
                         :meth:`~LocalProvisioner.terminate` clears it
 ``stopping``            SIGTERM was sent; SIGKILL follows after ``grace_s``
@@ -705,12 +706,6 @@ class LocalProvisioner:
                     listed.append((self._record_death(record, now), "failed"))
                 elif record.ready_at is not None:
                     listed.append((record, "running"))
-                elif now - record.launched_at > timedelta(seconds=self.start_timeout_s):
-                    failure = f"did not answer /health within {self.start_timeout_s:g} s"
-                    record = replace(record, failure=failure)
-                    self._write_record(record)
-                    self._event("failed", f"worker {record.provider_id} {failure}", record)
-                    listed.append((record, "failed"))
                 else:
                     pending.append(record)
         if not pending:
@@ -721,16 +716,28 @@ class LocalProvisioner:
         else:
             healthy = [False] * len(pending)
         with self._locked():
+            now = _now()
             for record, ok in zip(pending, healthy, strict=True):
-                if not ok:
-                    listed.append((record, "pending"))
-                    continue
                 current = self._read_record(record.provider_id)
                 if current is None or current.terminating_at is not None:
                     continue  # terminated meanwhile; the next call reports it
-                current = replace(current, ready_at=_now())
-                self._write_record(current)
-                listed.append((current, "running"))
+                if ok:
+                    current = replace(current, ready_at=_now())
+                    self._write_record(current)
+                    listed.append((current, "running"))
+                elif check_health and now - current.launched_at > timedelta(
+                    seconds=self.start_timeout_s
+                ):
+                    # Past its start timeout, and /health asked once more: a worker adopted
+                    # after a control plane's restart that outlasted the timeout is not failed
+                    # unasked (nor one whose readiness a busy control plane checked late).
+                    failure = f"did not answer /health within {self.start_timeout_s:g} s"
+                    current = replace(current, failure=failure)
+                    self._write_record(current)
+                    self._event("failed", f"worker {current.provider_id} {failure}", current)
+                    listed.append((current, "failed"))
+                else:
+                    listed.append((current, "pending"))
         return listed
 
     def _record_death(self, record: WorkerRecord, now: datetime) -> WorkerRecord:

@@ -440,6 +440,32 @@ def test_a_worker_that_never_answers_health_fails_after_the_start_timeout(
     assert "did not answer /health" in event.message
 
 
+def answers_health(record: WorkerRecord) -> bool:
+    """Whether the worker of ``record`` answers ``/health`` with ``ok`` and its id."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"http://{record.address}/health", timeout=2.0) as response:
+            body = json.loads(response.read())
+    except (OSError, ValueError):
+        return False
+    return bool(body.get("status") == "ok" and body.get("worker_id") == record.provider_id)
+
+
+def test_a_worker_adopted_past_its_start_timeout_is_asked_before_it_is_failed(
+    tmp_path: Path, trained_family: Path, provisioners: Provisioners
+) -> None:
+    first = provisioners.make(tmp_path / "state", cache_dir=trained_family)
+    (instance,) = first.launch(LaunchRequest("req-late", SMALL, 1, {}))
+    provisioners.note(first)
+    (record,) = first.records()
+    # Ready, and never seen ready by a provisioner (as after a control plane's restart).
+    wait_for(lambda: answers_health(record), START_DEADLINE_S, "the worker's /health")
+    assert first.records()[0].ready_at is None
+    later = provisioners.make(tmp_path / "state", cache_dir=trained_family, start_timeout_s=0.001)
+    assert states(later) == {instance.provider_id: "running"}
+    assert [e for e in later.poll_events() if e.kind == "failed"] == []
+
+
 def test_launch_refuses_unknown_types_and_past_the_cap_without_starting_anything(
     tmp_path: Path, provisioners: Provisioners
 ) -> None:
