@@ -41,9 +41,11 @@ reconciler (every second, to launch the worker sooner). Then:
 2. **The path the service does not see**, measured on the warm-up's second half: each answered
    query's client latency less the service's own time for it (``loadgen``'s ``outside_ms``:
    the client's HTTP stack, the connection, the server's parsing before the API and its writing
-   after). Its quantiles are the model's second addition. It is measured once, at the lowest
-   rate, on a trace of its own, and used unchanged at every level and run: nothing is fitted to
-   the runs it is compared with.
+   after), less the load generator's own lateness in sending it (its ``send_lag_ms``: a
+   generator that fell behind is the harness's fault, not the path's; the warm-up says so when
+   its p99 passes :data:`SEND_LAG_NOTE_MS`; :func:`client_path_ms`). Its quantiles are the
+   model's second addition. It is measured once, at the lowest rate, on a trace of its own, and
+   used unchanged at every level and run: nothing is fitted to the runs it is compared with.
 3. For each level rho (a share of the path's capacity: the instance's, 1000 / the profile's
    mean round trip times the calibration's factor stored in the warm-up, or the serving
    process's, 1000 / its CPU per query, whichever is less;
@@ -665,6 +667,29 @@ def run_level(
     return run
 
 
+# A warm-up whose generator sent this late at p99 says so (the runs report theirs: send_lag).
+SEND_LAG_NOTE_MS = 5.0
+
+
+def client_path_ms(
+    outcomes: Sequence[loadgen.QueryResult], after_s: float
+) -> tuple[list[float], float]:
+    """The path outside the service (step 2 of the module docstring) of each answered query
+    scheduled ``after_s`` or more past the first one: its latency from the moment it left the
+    client (not from its scheduled send, which a generator that fell behind left late: that
+    lag is the generator's, not the path's) less the service's own time for it; and the p99 of
+    those queries' send lag (0 without any)."""
+    start = min((o.finished_s - o.latency_ms / 1000.0 for o in outcomes), default=0.0)
+    kept = [
+        o
+        for o in outcomes
+        if o.outside_ms is not None and o.finished_s - o.latency_ms / 1000.0 - start >= after_s
+    ]
+    path = [o.outside_ms - o.send_lag_ms for o in kept if o.outside_ms is not None]
+    lag = float(np.percentile([o.send_lag_ms for o in kept], 99)) if kept else 0.0
+    return path, lag
+
+
 def warm_up(
     load: Load, rate_qps: float, warmup_s: float, data_dir: Path, process: Any, say: Say
 ) -> tuple[float, tuple[float, ...], tuple[float, ...], float]:
@@ -673,13 +698,12 @@ def warm_up(
     the serving process's stored CPU per query."""
     say(f"warm-up: {warmup_s:g} s at {rate_qps:.1f} qps")
     result = send(load, poisson_trace(rate_qps, warmup_s, 99))
-    half = warmup_s / 2.0
-    start = min((o.finished_s - o.latency_ms / 1000.0 for o in result.outcomes), default=0.0)
-    outside = [
-        o.outside_ms
-        for o in result.outcomes
-        if o.outside_ms is not None and o.finished_s - o.latency_ms / 1000.0 - start >= half
-    ]
+    outside, lag_p99 = client_path_ms(result.outcomes, warmup_s / 2.0)
+    if lag_p99 > SEND_LAG_NOTE_MS:
+        say(
+            f"warm-up: the load generator fell behind (its send lag p99 {lag_p99:.1f} ms); the"
+            " client's path leaves the lag out"
+        )
     if len(outside) < 20:
         raise SystemExit(f"warm-up: {len(outside)} answers with the service's time; too few")
     found = local_service.wait_for(

@@ -16,12 +16,14 @@ from benchmarks.fidelity.serving import (
     Model,
     Run,
     Setting,
+    client_path_ms,
     compute_only,
     poisson_trace,
     predict,
     user_onnx,
 )
 from benchmarks.results.fidelity import ratio_spread, within
+from controlplane.clients.loadgen import QueryResult
 from controlplane.policies.calibration import OVERHEAD_QUANTILES
 from estimator.profiles import LatencyProfile
 
@@ -119,3 +121,24 @@ def test_the_users_model_is_a_valid_onnx_cnn(tmp_path: Path, cnn: str) -> None:
     assert [shapes[conv.input[1]][0] for conv in convs] == list(USER_CNNS[cnn])
     strides = [[list(a.ints) for a in conv.attribute if a.name == "strides"] for conv in convs]
     assert strides[-1] == [[2, 2]] and all(s == [[1, 1]] for s in strides[:-1])
+
+
+def test_the_clients_path_is_timed_from_the_send_on_the_warm_ups_second_half() -> None:
+    def query(
+        index: int, scheduled_s: float, lag_ms: float, served_ms: float | None
+    ) -> QueryResult:
+        latency_ms = lag_ms + 2.0 + (served_ms or 0.0)  # 2 ms of path past the send
+        finished_s = scheduled_s + latency_ms / 1000.0
+        return QueryResult(index, "ok", latency_ms, lag_ms, finished_s, served_ms=served_ms)
+
+    outcomes = [
+        query(0, 0.0, 0.0, 1.0),  # before the second half
+        query(1, 5.0, 0.0, 1.0),
+        query(2, 6.0, 30.0, 1.0),  # the generator sent it 30 ms late
+        query(3, 7.0, 0.0, None),  # no time of the service's
+        QueryResult(4, "http_503", 9.0, 0.0, 8.0),
+    ]
+    path, lag_p99 = client_path_ms(outcomes, after_s=5.0)
+    assert path == pytest.approx([2.0, 2.0])
+    assert 29.0 < lag_p99 <= 30.0
+    assert client_path_ms([], after_s=5.0) == ([], 0.0)
