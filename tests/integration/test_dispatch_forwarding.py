@@ -76,7 +76,7 @@ def test_two_serving_processes_answer_every_query_through_the_apps_dispatcher(
     ]
     try:
         logs = tails_of(servers)
-        headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
+        headers = {"Authorization": f"Bearer {token(postgres_url)}"}
         apis = [httpx.Client(base_url=s.url, headers=headers, timeout=120.0) for s in servers]
         apply_local_app(apis[0], APP, profile)
         for api in apis:

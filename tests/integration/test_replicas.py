@@ -30,6 +30,7 @@ from sqlalchemy import text
 
 from controlplane.db.lease import AdvisoryLock, lock_sqlite_database, sqlite_leader_lock
 from controlplane.db.session import make_engine
+from controlplane.db.store import Store
 from controlplane.errors import DatabaseError
 from provisioners.base import APP_TAG
 from tests.conftest import needs_shared
@@ -46,7 +47,6 @@ from tests.integration.test_serve import REPO, Server, rm2_spec, service_env
 __all__ = ["aws_env", "ec2_network", "moto_server"]  # fixtures, imported for pytest
 
 APP = "rm2-kairos"
-TOKEN_CREATE = (sys.executable, "-m", "controlplane", "token", "create")
 # Launches, a takeover (the lease is tried every 2 s) and a replacement: generous on a busy host.
 DEADLINE_S = 180.0
 POLL_S = 0.25
@@ -259,17 +259,15 @@ def one_leader(servers: Sequence[Server]) -> tuple[Server, Server] | None:
     return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
 
 
-def token(data_dir: Path, database_url: str, scope: str = "admin", name: str = "ops") -> str:
-    done = subprocess.run(
-        [*TOKEN_CREATE, "--scope", scope, "--name", name],
-        cwd=REPO,
-        env=service_env(data_dir, database_url=database_url),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return done.stdout.strip()
+def token(database_url: str, scope: str = "admin", name: str = "ops") -> str:
+    """A token of ``scope`` in the replicas' database, written through the store in this process
+    (a second of a core less than a ``heteroplane token create`` process, which
+    :func:`tests.integration.test_serve.create_token` runs against a live service)."""
+    store = Store.from_url(database_url, upgrade=True)
+    try:
+        return store.create_token(scope, name=name)
+    finally:
+        store.close()
 
 
 def reconcile_runs(api: httpx.Client) -> float:
@@ -312,7 +310,7 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
 
     logs = tails_of(servers)
     leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
-    headers = {"Authorization": f"Bearer {token(standby.data_dir, postgres_url)}"}
+    headers = {"Authorization": f"Bearer {token(postgres_url)}"}
     api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
 
     # Everything through the standby: every replica serves the API.
@@ -433,7 +431,7 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
     try:
         logs = tails_of(servers)
         leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
-        headers = {"Authorization": f"Bearer {token(data_dir, postgres_url)}"}
+        headers = {"Authorization": f"Bearer {token(postgres_url)}"}
         api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
         assert api.post("/v1/apps", json=local_spec("local-app", profile)).status_code == 201
         plan = api.post("/v1/apps/local-app/plans", json={"rate_qps": 70.0})

@@ -63,7 +63,7 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         serving = Server(data_dir, tmp_path / "serving.log", role="serving", **common)
         servers.append(serving)
         assert role(serving) == "serving"
-        admin = token(data_dir, postgres_url)
+        admin = token(postgres_url)
         loops_settings = {
             **common,
             "reconcile_s": "0.5",
