@@ -721,6 +721,14 @@ class LocalProvisioner:
                 current = self._read_record(record.provider_id)
                 if current is None or current.terminating_at is not None:
                     continue  # terminated meanwhile; the next call reports it
+                # Another call (a provisioner on the same directory, or this one's other
+                # thread) may have decided meanwhile: its decision stands, said once.
+                if current.exited_at is not None or current.failure is not None:
+                    listed.append((current, "failed"))
+                    continue
+                if current.ready_at is not None:
+                    listed.append((current, "running"))
+                    continue
                 if ok:
                     current = replace(current, ready_at=_now())
                     self._write_record(current)

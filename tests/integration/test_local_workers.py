@@ -466,6 +466,29 @@ def test_a_worker_adopted_past_its_start_timeout_is_asked_before_it_is_failed(
     assert [e for e in later.poll_events() if e.kind == "failed"] == []
 
 
+@pytest.mark.parametrize("other_sees", ["running", "failed"])
+def test_what_another_provisioner_decides_during_the_health_checks_stands(
+    tmp_path: Path, provisioners: Provisioners, monkeypatch: pytest.MonkeyPatch, other_sees: str
+) -> None:
+    silent = stand_in_python(tmp_path, "exec sleep 300")
+    first = provisioners.make(tmp_path / "state", python=silent, start_timeout_s=0.001)
+    (instance,) = first.launch(LaunchRequest("req-both", SMALL, 1, {}))
+    provisioners.note(first)
+    other = provisioners.make(tmp_path / "state", python=silent, start_timeout_s=0.001)
+    monkeypatch.setattr(other, "_health_ok", lambda record: other_sees == "running")
+
+    def meanwhile(record: WorkerRecord) -> bool:
+        # While the first one's /health check is on the wire, the other one lists: it finds
+        # the worker ready, or fails it past its start timeout.
+        assert states(other) == {instance.provider_id: other_sees}
+        return False
+
+    monkeypatch.setattr(first, "_health_ok", meanwhile)
+    assert states(first) == {instance.provider_id: other_sees}
+    said = [e for p in (first, other) for e in p.poll_events() if e.kind == "failed"]
+    assert len(said) == (other_sees == "failed")
+
+
 def test_launch_refuses_unknown_types_and_past_the_cap_without_starting_anything(
     tmp_path: Path, provisioners: Provisioners
 ) -> None:
