@@ -17,28 +17,48 @@ by the demo's tests (tests/integration/test_demo.py) and ``tests/unit/test_cli_s
 :func:`popen` returns a :class:`Forked`, which answers what the tests ask of a
 :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``,
 ``kill``, ``returncode``): the fork server reports each child's pid and, once it has reaped it,
-its exit status over a socket of that child's own. A command that is not ``[sys.executable,
-"-m", "controlplane", "serve", ...]``, or a fork server that cannot start, gets a
-:class:`subprocess.Popen` as before.
+its exit status over a socket of that child's own. A child dies with its fork server (Linux's
+parent death signal), which exits, ending its children, when its test process's end closes. A
+command that is not ``[sys.executable, "-m", "controlplane", "serve", ...]``, or one the fork
+server cannot take (it does not start, or is gone), gets a :class:`subprocess.Popen` as before;
+a fork server that takes a request and does not answer it within :data:`_ANSWER_S` is an error
+(a Popen then could run the command twice).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
+import selectors
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 _MESSAGE_MAX = 1 << 20
+_PR_SET_PDEATHSIG = 1
 _ANSWER_S = 30.0
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _readable(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether ``sock`` has a message or its end (poll(2): any descriptor number)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+
+def _wait_gone(pid: int, deadline_s: float = 5.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class Forked:
@@ -54,14 +74,16 @@ class Forked:
         """The exit status, when it comes within ``timeout`` (None: however long)."""
         if self.returncode is not None:
             return
-        ready, _, _ = select.select([self._conn], [], [], timeout)
-        if not ready:
+        if not _readable(self._conn, timeout):
             return
         try:
             message = self._conn.recv(_MESSAGE_MAX)
         except OSError:
             message = b""
-        # The fork server gone without a word: it ended the child as it went (SIGKILL).
+        if not message:
+            # The fork server gone without a word: the child, which dies with it (its parent
+            # death signal), is ended by SIGKILL; its pid is gone once the kernel has reaped it.
+            _wait_gone(self.pid)
         self.returncode = int(json.loads(message)["code"]) if message else -signal.SIGKILL
         self._conn.close()
 
@@ -116,9 +138,15 @@ class _ForkServer:
             socket.send_fds(self._conn, [json.dumps(request).encode()], [theirs.fileno(), *streams])
         finally:
             theirs.close()
-        ready, _, _ = select.select([ours], [], [], _ANSWER_S)
-        message = ours.recv(_MESSAGE_MAX) if ready else b""
-        if not message:
+        if not _readable(ours, _ANSWER_S):
+            # Not started as a Popen instead: the fork server may still fork it.
+            ours.close()
+            raise RuntimeError(f"the tests' fork server did not answer in {_ANSWER_S:g} s")
+        try:
+            message = ours.recv(_MESSAGE_MAX)
+        except OSError:
+            message = b""
+        if not message:  # it closed the request unanswered: nothing runs for it
             ours.close()
             raise OSError("the fork server did not start the process")
         return Forked(args, int(json.loads(message)["started"]), ours)
@@ -174,16 +202,19 @@ def _serve_requests(conn: socket.socket) -> dict[str, Any]:
     request's own socket; return, in a child, its request (its streams in place). When the test
     process's end closes, end the children still running and exit."""
     children: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, reply socket)
+    events = selectors.DefaultSelector()  # epoll: any descriptor number
+    events.register(conn, selectors.EVENT_READ)
     while True:
-        ready, _, _ = select.select([conn, *children], [], [])
+        ready = {key.fd for key, _ in events.select()}
         for pidfd in [fd for fd in ready if fd in children]:
             pid, reply = children.pop(pidfd)
+            events.unregister(pidfd)
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             os.close(pidfd)
             with contextlib.suppress(OSError):  # the test no longer listens
                 reply.send(json.dumps({"code": code}).encode())
             reply.close()
-        if conn not in ready:
+        if conn.fileno() not in ready:
             continue
         try:
             message, fds, _flags, _address = socket.recv_fds(conn, _MESSAGE_MAX, 4)
@@ -195,23 +226,48 @@ def _serve_requests(conn: socket.socket) -> dict[str, Any]:
                     os.kill(pid, signal.SIGKILL)
             raise SystemExit(0)
         reply = socket.socket(fileno=fds[0])
+        streams = fds[1:]
+        if _readable(reply, 0.0):  # the test process closed it (gone): nothing to start
+            reply.close()
+            for fd in streams:
+                os.close(fd)
+            continue
         request: dict[str, Any] = json.loads(message)
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
+            events.close()
             conn.close()
             reply.close()
             for pidfd, (_pid, other) in children.items():
                 os.close(pidfd)
                 other.close()
-            for target, fd in enumerate(fds[1:]):
+            for target, fd in enumerate(streams):
                 os.dup2(fd, target)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            _die_with(server)
             return request
-        for fd in fds[1:]:
+        for fd in streams:
             os.close(fd)
-        children[os.pidfd_open(pid)] = (pid, reply)
-        with contextlib.suppress(OSError):
+        try:
+            pidfd = os.pidfd_open(pid)
             reply.send(json.dumps({"started": pid}).encode())
+        except OSError:  # no pidfd, or the test process gone: the child is no one's
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            reply.close()
+            continue
+        children[pidfd] = (pid, reply)
+        events.register(pidfd, selectors.EVENT_READ)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL this process when the fork server ``parent`` dies (Linux's parent death signal),
+    so that no serve outlives a fork server that can no longer report or end it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
 
 
 def _main(fd: int) -> None:

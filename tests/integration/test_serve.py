@@ -49,19 +49,30 @@ def service_env(data_dir: Path, **settings: str) -> dict[str, str]:
 
 class Server:
     """``python -m controlplane serve`` on a free loopback port (forked from the test process's
-    fork server: tests/serve_forks.py)."""
+    fork server, tests/serve_forks.py, unless ``forked`` is False)."""
 
-    def __init__(self, data_dir: Path, log: Path, *, role: str = "all", **settings: str) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        log: Path,
+        *,
+        role: str = "all",
+        forked: bool = True,
+        **settings: str,
+    ) -> None:
         self.data_dir = data_dir
         self.log_path = log
         self._log = log.open("ab")
         roles = () if role == "all" else ("--role", role)
         env = service_env(data_dir, **settings)
+        # Forked from a process that has imported the service (tests/serve_forks.py), unless a
+        # test looks at what a fork does not give: the process's own /proc/PID/environ is the
+        # fork server's.
+        start = popen if forked else subprocess.Popen
 
         def launch(port: int) -> Forked | subprocess.Popen[bytes]:
-            # Forked from a process that has imported the service (tests/serve_forks.py).
             command = [sys.executable, "-m", "controlplane", "serve", "--port", str(port), *roles]
-            return popen(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            return start(command, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
         self.process, self.port = start_on_a_free_port(
             launch, log, lambda url: f"heteroplane serving on {url} ", "serve", START_DEADLINE_S

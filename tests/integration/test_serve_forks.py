@@ -7,12 +7,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from controlplane.settings import DATABASE_FILE
+from tests import serve_forks
 from tests.conftest import needs_shared
 from tests.integration.test_serve import REPO, Server, service_env
 from tests.serve_forks import Forked, popen
@@ -68,3 +70,28 @@ def test_other_commands_and_pipes_are_started_as_before(tmp_path: Path) -> None:
         assert isinstance(process, subprocess.Popen)
         process.communicate(timeout=120)
     assert piped.returncode == 2
+
+
+def test_a_forked_serve_dies_with_its_fork_server_and_the_next_start_gets_another(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    server = Server(data_dir, tmp_path / "serve.log", reconcile_s="86400")
+    try:
+        assert isinstance(server.process, Forked)
+        (fork_server,) = serve_forks._SERVER
+        fork_server._process.kill()  # killed outright: it cannot end its children itself
+        assert server.process.wait(timeout=60) == -signal.SIGKILL
+        deadline = time.monotonic() + 30.0
+        while Path(f"/proc/{server.process.pid}").exists():  # its parent death signal
+            assert time.monotonic() < deadline, "the serve outlived its fork server"
+            time.sleep(0.05)
+    finally:
+        server.stop()
+    again = Server(data_dir, tmp_path / "again.log", reconcile_s="86400")
+    try:
+        assert isinstance(again.process, Forked)
+        assert serve_forks._SERVER[0] is not fork_server
+    finally:
+        again.stop()

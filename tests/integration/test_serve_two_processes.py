@@ -93,7 +93,9 @@ def environ_of(pid: int) -> dict[str, str]:
 def test_the_serving_process_runs_no_job_and_restarts_its_loops(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    server = Server(data_dir, tmp_path / "serve.log", rollup_s="0.2")
+    # Started as a user starts it: the environment checks below read /proc/PID/environ, which
+    # in a forked process is its fork server's.
+    server = Server(data_dir, tmp_path / "serve.log", forked=False, rollup_s="0.2")
     try:
         first = wait_for("the loops process", lambda: loops_of(server), server.log_text)
         assert first["role"] == "leader" and first["restarts"] == 0
