@@ -270,6 +270,11 @@ def test_a_launch_cut_short_is_resolved_by_the_next_provisioner(
     left = json.loads(path.read_text())
     assert left["pid"] is None
     assert left["provider_id"] == crashed["after_start"].provider_id
+    # Its command line, once the exec has set it up (for a moment after Popen returns it reads
+    # empty: the kernel wakes the parent before the new program's arguments are mapped; a
+    # control plane started again after a crash comes seconds later, this test at once).
+    cmdline = Path(f"/proc/{orphan_pid}/cmdline")
+    wait_for(lambda: left["provider_id"].encode() in cmdline.read_bytes(), 10.0, "the exec")
 
     after = provisioners.make(started_dir, models=("tiny",), cache_dir=trained_family)
     events = [(e.kind, e.message) for e in after.poll_events()]
