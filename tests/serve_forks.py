@@ -184,7 +184,6 @@ def popen(
     out = _fd(stdout, 1)
     err = out if stderr == subprocess.STDOUT else _fd(stderr, 2)
     if list(args[:4]) == [sys.executable, "-m", "controlplane", "serve"] and None not in (out, err):
-        assert out is not None and err is not None
         try:
             return _fork_server().spawn(
                 args, os.environ if env is None else env, cwd or Path.cwd(), (0, out, err)

@@ -51,6 +51,14 @@ def wait_for(condition: Callable[[], bool], deadline_s: float, what: str) -> Non
         time.sleep(POLL_S)
 
 
+def wait_for_exec(pid: int, worker_id: str) -> None:
+    """Until ``pid``'s command line, once its exec has set it up, names ``worker_id`` (for a
+    moment after Popen returns it reads empty: the kernel wakes the parent before the new
+    program's arguments are mapped, and a provisioner scanning /proc then finds no worker)."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    wait_for(lambda: worker_id.encode() in cmdline.read_bytes(), 10.0, "the exec")
+
+
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, not yet reaped by this process, does not)."""
     try:
@@ -270,11 +278,8 @@ def test_a_launch_cut_short_is_resolved_by_the_next_provisioner(
     left = json.loads(path.read_text())
     assert left["pid"] is None
     assert left["provider_id"] == crashed["after_start"].provider_id
-    # Its command line, once the exec has set it up (for a moment after Popen returns it reads
-    # empty: the kernel wakes the parent before the new program's arguments are mapped; a
-    # control plane started again after a crash comes seconds later, this test at once).
-    cmdline = Path(f"/proc/{orphan_pid}/cmdline")
-    wait_for(lambda: left["provider_id"].encode() in cmdline.read_bytes(), 10.0, "the exec")
+    # A control plane started again after a crash comes seconds later; this test at once.
+    wait_for_exec(orphan_pid, left["provider_id"])
 
     after = provisioners.make(started_dir, models=("tiny",), cache_dir=trained_family)
     events = [(e.kind, e.message) for e in after.poll_events()]
@@ -352,10 +357,7 @@ def test_terminate_looks_again_for_a_worker_resolved_as_never_started(
         start_new_session=True,
     )
     provisioners.pids.add(late.pid)
-    # Its command line, once the exec has set it up (for a moment after Popen returns it reads
-    # empty: the kernel wakes a vfork's parent before the new program's arguments are mapped).
-    cmdline = Path(f"/proc/{late.pid}/cmdline")
-    wait_for(lambda: record.provider_id.encode() in cmdline.read_bytes(), 10.0, "the exec")
+    wait_for_exec(late.pid, record.provider_id)
     after.terminate([record.provider_id])
     wait_for(lambda: late.poll() is not None, STOP_DEADLINE_S, "the late worker ended")
     wait_for(lambda: not after.list({}), STOP_DEADLINE_S, "its record forgotten")
@@ -445,17 +447,6 @@ def test_a_worker_that_never_answers_health_fails_after_the_start_timeout(
     assert "did not answer /health" in event.message
 
 
-def answers_health(record: WorkerRecord) -> bool:
-    """Whether the worker of ``record`` answers ``/health`` with ``ok`` and its id."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"http://{record.address}/health", timeout=2.0) as response:
-            body = json.loads(response.read())
-    except (OSError, ValueError):
-        return False
-    return bool(body.get("status") == "ok" and body.get("worker_id") == record.provider_id)
-
-
 def test_a_worker_adopted_past_its_start_timeout_is_asked_before_it_is_failed(
     tmp_path: Path, trained_family: Path, provisioners: Provisioners
 ) -> None:
@@ -464,7 +455,7 @@ def test_a_worker_adopted_past_its_start_timeout_is_asked_before_it_is_failed(
     provisioners.note(first)
     (record,) = first.records()
     # Ready, and never seen ready by a provisioner (as after a control plane's restart).
-    wait_for(lambda: answers_health(record), START_DEADLINE_S, "the worker's /health")
+    wait_for(lambda: first._health_ok(record), START_DEADLINE_S, "the worker's /health")
     assert first.records()[0].ready_at is None
     later = provisioners.make(tmp_path / "state", cache_dir=trained_family, start_timeout_s=0.001)
     assert states(later) == {instance.provider_id: "running"}

@@ -30,7 +30,6 @@ from sqlalchemy import text
 
 from controlplane.db.lease import AdvisoryLock, lock_sqlite_database, sqlite_leader_lock
 from controlplane.db.session import make_engine
-from controlplane.db.store import Store
 from controlplane.errors import DatabaseError
 from provisioners.base import APP_TAG
 from tests.conftest import needs_shared
@@ -42,7 +41,7 @@ from tests.integration.moto_server import (
     moto_server,
     needs_moto,
 )
-from tests.integration.test_serve import REPO, Server, rm2_spec, service_env
+from tests.integration.test_serve import REPO, Server, rm2_spec, service_env, store_token
 
 __all__ = ["aws_env", "ec2_network", "moto_server"]  # fixtures, imported for pytest
 
@@ -263,11 +262,7 @@ def token(database_url: str, scope: str = "admin", name: str = "ops") -> str:
     """A token of ``scope`` in the replicas' database, written through the store in this process
     (a second of a core less than a ``heteroplane token create`` process, which
     :func:`tests.integration.test_serve.create_token` runs against a live service)."""
-    store = Store.from_url(database_url, upgrade=True)
-    try:
-        return store.create_token(scope, name=name)
-    finally:
-        store.close()
+    return store_token(database_url, scope, name)
 
 
 def reconcile_runs(api: httpx.Client) -> float:

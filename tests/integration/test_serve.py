@@ -101,6 +101,16 @@ def data_dir(tmp_path: Path) -> Path:
     return folder
 
 
+def store_token(database_url: str, scope: str = "admin", name: str = "ops") -> str:
+    """A token of ``scope`` in the database at ``database_url``, written through the store in
+    this process."""
+    store = Store.from_url(database_url, upgrade=True)
+    try:
+        return store.create_token(scope, name=name)
+    finally:
+        store.close()
+
+
 def create_token(
     data_dir: Path, scope: str = "admin", name: str = "ops", *, cli: bool = False
 ) -> str:
@@ -112,11 +122,7 @@ def create_token(
     if not cli:
         # The service's database as service_env leaves it (the default under data_dir), whatever
         # HETEROPLANE_* this process's environment holds.
-        store = Store.from_url(f"sqlite:///{data_dir / DATABASE_FILE}", upgrade=True)
-        try:
-            return store.create_token(scope, name=name)
-        finally:
-            store.close()
+        return store_token(f"sqlite:///{data_dir / DATABASE_FILE}", scope, name)
     done = subprocess.run(
         [sys.executable, "-m", "controlplane", "token", "create", "--scope", scope, "--name", name],
         cwd=REPO,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -83,10 +82,8 @@ def test_a_forked_serve_dies_with_its_fork_server_and_the_next_start_gets_anothe
         (fork_server,) = serve_forks._SERVER
         fork_server._process.kill()  # killed outright: it cannot end its children itself
         assert server.process.wait(timeout=60) == -signal.SIGKILL
-        deadline = time.monotonic() + 30.0
-        while Path(f"/proc/{server.process.pid}").exists():  # its parent death signal
-            assert time.monotonic() < deadline, "the serve outlived its fork server"
-            time.sleep(0.05)
+        serve_forks._wait_gone(server.process.pid, deadline_s=30.0)  # its parent death signal
+        assert not Path(f"/proc/{server.process.pid}").exists(), "it outlived its fork server"
     finally:
         server.stop()
     again = Server(data_dir, tmp_path / "again.log", reconcile_s="86400")

@@ -172,10 +172,9 @@ def test_the_api_times_kept_span_a_minute_at_a_high_rate_and_every_query_at_a_lo
     assert len(times) == kept
     spans_evenly(times, newest=100_000.0, span=span_s * 1000.0)
     # At 5 q/s every answered query is kept: the newest API_TIMES_KEPT, over 205 s.
-    for i in range(2000):
-        t = i / 5
-        seen.answered("calm", t, 1.0, late=False, models=["m"], split=Split(api_ms=float(i)))
-    assert seen.api_times_ms("calm") == [float(i) for i in range(2000 - kept, 2000)]
+    answer_at(seen, "calm", 5, 0, 400)
+    expected = [i * 200.0 for i in range(2000 - kept, 2000)]  # query i at i / 5 s
+    assert seen.api_times_ms("calm") == pytest.approx(expected)
     # Forgotten (a profile run beside them), the fresh ones span the minute again at once.
     seen.forget_api_times("busy")
     assert seen.api_times_ms("busy") == []
