@@ -73,6 +73,7 @@ from numpy.typing import ArrayLike
 from estimator.catalog import Catalog
 from estimator.envelope import (
     DEFAULT_MAX_WINDOW_S,
+    DEFAULT_PERSISTENCE_S,
     arrival_cv2,
     arrival_envelope,
     clip_short_bursts,
@@ -158,6 +159,12 @@ RISE_MAX_GROWTH = 2.0
 # 70 against 100-110), and a scale-down on it was bought back at the next tick's "below plan"
 # (four chases of 1-6 s in a tester's 20 minutes of Poisson load at the planned rate).
 FALL_PERSIST_S = 5.0
+# TunerConfig.first_down_s: twice the persistence test's stretch, the least memory in which the
+# test can take a burst out (a young memory, TunerConfig.hold_young_memory).
+FIRST_DOWN_S = 2.0 * DEFAULT_PERSISTENCE_S
+# TunerConfig.first_down_precision: the mean rate's relative standard error that lets a scale-down
+# come before the longest window has been watched.
+FIRST_DOWN_PRECISION = 0.05
 # Load that has stopped: no arrival for STOPPED_GAPS of the gaps the last persistence stretch's
 # rate makes (Poisson: a pause that long comes once in e**20 gaps; gamma arrivals of CV^2 8 leave
 # about 0.4% of their gaps over it), and at least STOPPED_FLOOR_S (a busy app's pause of a few
@@ -467,6 +474,12 @@ class TunerConfig:
     # ring, not the traffic's age, and is never young (at thousands of queries a second the
     # ring spans less than the persistence test needs: the hold would never end).
     memory_ring: int | None = None
+    # The first scale-down may come this soon after the tuner starts (None: not before its
+    # longest window) where the arrivals watched tell their mean rate within
+    # ``first_down_precision`` (relative standard error sqrt(CV^2 / n) of n arrivals);
+    # :func:`_first_down_due`.
+    first_down_s: float | None = FIRST_DOWN_S
+    first_down_precision: float = FIRST_DOWN_PRECISION
 
     def __post_init__(self) -> None:
         windows = tuple(_finite("a window", w, strict=True) for w in self.windows_s)
@@ -495,6 +508,10 @@ class TunerConfig:
         if self.persistence_s is not None:
             persist = _finite("persistence_s", self.persistence_s)
             object.__setattr__(self, "persistence_s", persist)
+        if self.first_down_s is not None:
+            object.__setattr__(self, "first_down_s", _finite("first_down_s", self.first_down_s))
+        precision = _finite("first_down_precision", self.first_down_precision, strict=True)
+        object.__setattr__(self, "first_down_precision", precision)
         for name, cap in self.max_counts.items():
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
                 raise WorkloadError(f"max count of {name} must be an integer >= 0, got {cap!r}")
@@ -1877,6 +1894,26 @@ def _untested_windows(span_s: float | None, config: TunerConfig) -> np.ndarray:
     return untested
 
 
+def _first_down_due(
+    since_start_s: float,
+    arrivals: np.ndarray,
+    burstiness: Callable[[], tuple[float, int]],
+    config: TunerConfig,
+) -> bool:
+    """Whether the tuner has watched long enough to scale down: its longest window, or from
+    ``first_down_s`` on once the arrivals it watched tell their mean rate within
+    ``first_down_precision`` (n arrivals of burstiness CV^2 give a count whose relative standard
+    error is sqrt(CV^2 / n): at 5%, 400 Poisson arrivals, 3,200 of CV^2 8)."""
+    if since_start_s >= config.windows_s[-1]:
+        return True
+    if config.first_down_s is None or since_start_s < config.first_down_s:
+        return False
+    cv2, gaps = burstiness()
+    if gaps < 2 or not math.isfinite(cv2):
+        return False
+    return math.sqrt(max(cv2, 1.0) / arrivals.size) <= config.first_down_precision
+
+
 def tune(
     arrival_s: ArrayLike,
     now_s: float,
@@ -2130,7 +2167,7 @@ def tune(
     if (
         not changed
         and quiet_s >= config.scale_down_delay_s
-        and since_start_s >= config.windows_s[-1]
+        and _first_down_due(since_start_s, arrivals, burstiness, config)
     ):
         for plan in plans:
             s, rho = plan.scale_factor, plan.utilisation_target

@@ -496,8 +496,10 @@ def test_a_budget_cut_during_a_rise_keeps_the_instance_that_serves(
 
     run_ticks(clock, tuner, reconciler, fake, 5, within_and_serving)
     rates.append((clock.now_s(), 60.0))
-    # The tuner reads a large as serving once its row runs and its modelled 30 s boot is up.
-    run_ticks(clock, tuner, reconciler, fake, 50 if booted else 15, within_and_serving)
+    # The tuner reads a large as serving once its row runs and its modelled 30 s boot is up;
+    # a few seconds later it stops the small (its 2,000-odd arrivals tell the rate well enough for
+    # a scale-down before its minute's window), so the cut comes while all three serve.
+    run_ticks(clock, tuner, reconciler, fake, 40 if booted else 15, within_and_serving)
     before = kept()
     assert sorted(before.values()) == [LARGE, LARGE, SMALL]
     states = {i.instance_type: i.state for i in fake.list({})}

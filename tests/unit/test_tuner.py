@@ -228,6 +228,41 @@ def test_scale_down_waits_for_the_delay_and_follows_the_recent_rate() -> None:
     assert "recent peak 32 qps" in decisions[0].reason and "k 1" in decisions[0].reason
 
 
+@pytest.mark.parametrize(
+    ("rate_qps", "first_down_at_s"),
+    # 32 qps: 960 arrivals by 30 s tell the rate within 5% (400 would): the first scale-down
+    # comes at 30 s. 4 qps: 236 arrivals by 59 s do not: it waits for the longest window, 60 s.
+    [(32, 30.0), (4, 60.0)],
+)
+def test_the_first_scale_down_waits_as_long_as_the_evidence_needs(
+    rate_qps: int, first_down_at_s: float
+) -> None:
+    plan = one_type_stage()
+    cfg = TunerConfig(
+        windows_s=(1.0, 2.0, 60.0),
+        planned_rate_qps=(128.0, 128.0, 128.0),
+        budget_usd_per_hr=100.0,
+        prices_usd_per_hr={"g": 1.0},
+        boot_s={"g": 60.0},
+    )
+    assert cfg.first_down_s == 30.0 and cfg.first_down_precision == 0.05
+    arrivals = steady(rate_qps, 0.0, 120.0)
+    start = initial_state([plan], 0.0)
+
+    def first_down_s() -> float:
+        for now_s in np.arange(1.0, 120.0, 1.0):
+            decisions, _ = tune(arrivals[arrivals <= now_s], float(now_s), start, [plan], cfg)
+            if decisions:
+                assert [(d.action, d.count) for d in decisions] == [("scale_down", 2)]
+                return float(now_s)
+        raise AssertionError("never scaled down")
+
+    assert first_down_s() == first_down_at_s
+    # Without the rule (None), the tuner watches its longest window first, as InferLine does.
+    cfg = dataclasses.replace(cfg, first_down_s=None)
+    assert first_down_s() == 60.0
+
+
 def test_scale_down_keeps_min_instances_and_stops_booting_ones_first() -> None:
     plan = TunerStage("resnet", 0.5, {"g": 3}, {"g": 32.0}, 0.8, min_instances=2)
     cfg = config()
@@ -609,6 +644,10 @@ def test_bad_inputs_are_rejected_at_the_boundary() -> None:
         TunerStage("x", 1.0, {"h": 1}, {"g": 1.0}, 0.5)
     with pytest.raises(WorkloadError, match="one planned rate per window"):
         TunerConfig((1.0, 2.0), (1.0,), 1.0, {"g": 1.0}, {"g": 1.0})
+    with pytest.raises(WorkloadError, match="first_down_s must be a finite number >= 0"):
+        config(first_down_s=-1.0)
+    with pytest.raises(WorkloadError, match="first_down_precision must be a finite number > 0"):
+        config(first_down_precision=0.0)
     plan = TunerStage("x", 1.0, {"z": 1}, {"z": 1.0}, 0.5)
     with pytest.raises(UnknownInstanceTypeError, match="tuner's prices"):
         tune(np.array([]), 0.0, initial_state([plan], 0.0), [plan], config())
