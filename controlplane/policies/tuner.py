@@ -22,7 +22,8 @@ The math (InferLine, SoCC'20, "High-Frequency Tuning"):
 * Algorithm 4 (scale down). No sooner than ``scale_down_delay_s`` (15 s) after the last change,
   r = the max over the windows of the recent live rates (the last ``recent_s``), and each stage
   sheds its least cost-effective instances while its capacity stays >= r s_m / rho_m and it keeps
-  ``min_instances``.
+  ``min_instances``. The first scale-down waits for the longest window's watching, or from
+  ``first_down_s`` for arrivals that tell their mean rate within ``first_down_precision``.
 
 A stage of several types may carry a *capacity model* (a function from counts by type to qps):
 the sum of mu_t assumes every instance serves every query, which a Kairos mix breaks (its
@@ -2162,8 +2163,8 @@ def tune(
 
     changed = shed or any(d.action == "scale_up" for d in tick.decisions)
     quiet_s = math.inf if state.last_change_s is None else now - state.last_change_s
-    # A scale-down waits for a minute of the tuner's own watching (the readings' watched_s
-    # may be longer: a fed memory).
+    # A scale-down waits for the tuner's own watching (the readings' watched_s may be longer:
+    # a fed memory): its longest window, or less where the arrivals already tell their rate.
     if (
         not changed
         and quiet_s >= config.scale_down_delay_s
