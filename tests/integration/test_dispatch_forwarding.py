@@ -22,10 +22,9 @@ from tests.integration.test_replicas import (
     apply_local_app,
     stop_local_workers,
     tails_of,
-    token,
     wait_for,
 )
-from tests.integration.test_serve import Server
+from tests.integration.test_serve import Server, store_token
 
 pytestmark = needs_shared
 
@@ -76,7 +75,7 @@ def test_two_serving_processes_answer_every_query_through_the_apps_dispatcher(
     ]
     try:
         logs = tails_of(servers)
-        headers = {"Authorization": f"Bearer {token(postgres_url)}"}
+        headers = {"Authorization": f"Bearer {store_token(postgres_url)}"}
         apis = [httpx.Client(base_url=s.url, headers=headers, timeout=120.0) for s in servers]
         apply_local_app(apis[0], APP, profile)
         for api in apis:

@@ -258,13 +258,6 @@ def one_leader(servers: Sequence[Server]) -> tuple[Server, Server] | None:
     return (servers[0], servers[1]) if roles[0] == "leader" else (servers[1], servers[0])
 
 
-def token(database_url: str, scope: str = "admin", name: str = "ops") -> str:
-    """A token of ``scope`` in the replicas' database, written through the store in this process
-    (a second of a core less than a ``heteroplane token create`` process, which
-    :func:`tests.integration.test_serve.create_token` runs against a live service)."""
-    return store_token(database_url, scope, name)
-
-
 def reconcile_runs(api: httpx.Client) -> float:
     """How many reconcile runs the replica behind ``api`` has finished: the /metrics of the
     loops process it supervises (``heteroplane serve``'s default), else its own."""
@@ -305,7 +298,7 @@ def test_a_standby_takes_over_from_a_killed_leader_without_duplicates(
 
     logs = tails_of(servers)
     leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
-    headers = {"Authorization": f"Bearer {token(postgres_url)}"}
+    headers = {"Authorization": f"Bearer {store_token(postgres_url)}"}
     api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
 
     # Everything through the standby: every replica serves the API.
@@ -426,7 +419,7 @@ def test_a_standby_adopts_the_killed_leaders_local_workers(
     try:
         logs = tails_of(servers)
         leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
-        headers = {"Authorization": f"Bearer {token(postgres_url)}"}
+        headers = {"Authorization": f"Bearer {store_token(postgres_url)}"}
         api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
         assert api.post("/v1/apps", json=local_spec("local-app", profile)).status_code == 201
         plan = api.post("/v1/apps/local-app/plans", json={"rate_qps": 70.0})

@@ -32,10 +32,10 @@ from tests.integration.test_replicas import (
     role,
     stop_local_workers,
     tails_of,
-    token,
     wait_for,
 )
 from tests.integration.test_rollouts_local import APP, Client, _same_weights, plan_one_worker
+from tests.integration.test_serve import store_token
 
 pytest.importorskip("torch")
 pytest.importorskip("onnxruntime")
@@ -59,7 +59,7 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
     try:
         logs = tails_of(servers)
         leader, standby = wait_for("single leader", lambda: one_leader(servers), logs)
-        headers = {"Authorization": f"Bearer {token(postgres_url)}"}
+        headers = {"Authorization": f"Bearer {store_token(postgres_url)}"}
         api = httpx.Client(base_url=standby.url, headers=headers, timeout=120.0)
         for path in (model, _same_weights(model)):
             pushed = api.post(f"/v1/models/{MODEL}?format=onnx", content=path.read_bytes())
@@ -71,7 +71,7 @@ def test_a_new_leader_resumes_the_rollout_at_its_step(postgres_url: str, tmp_pat
             return True if rows else None
 
         wait_for("the fleet's worker", serving, logs)
-        client = Client(standby.url, token(postgres_url, "infer", "client"))
+        client = Client(standby.url, store_token(postgres_url, "infer", "client"))
         client.start()
         started = api.post(
             f"/v1/apps/{APP}/rollouts",

@@ -30,10 +30,9 @@ from tests.integration.test_replicas import (
     role,
     stop_local_workers,
     tails_of,
-    token,
     wait_for,
 )
-from tests.integration.test_serve import Server
+from tests.integration.test_serve import Server, store_token
 
 APP = "apart"
 DIGIT = [float(i % 17) for i in range(64)]
@@ -63,7 +62,7 @@ def test_serving_answers_apart_from_the_loops_and_outlives_their_leader(
         serving = Server(data_dir, tmp_path / "serving.log", role="serving", **common)
         servers.append(serving)
         assert role(serving) == "serving"
-        admin = token(postgres_url)
+        admin = store_token(postgres_url)
         loops_settings = {
             **common,
             "reconcile_s": "0.5",
