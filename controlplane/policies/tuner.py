@@ -160,8 +160,8 @@ RISE_MAX_GROWTH = 2.0
 # 70 against 100-110), and a scale-down on it was bought back at the next tick's "below plan"
 # (four chases of 1-6 s in a tester's 20 minutes of Poisson load at the planned rate).
 FALL_PERSIST_S = 5.0
-# TunerConfig.first_down_s: twice the persistence test's stretch, the least memory in which the
-# test can take a burst out (a young memory, TunerConfig.hold_young_memory).
+# TunerConfig.first_down_s: twice the default persistence test's stretch (the least memory in
+# which that test can take a burst out; a fixed figure, not read from TunerConfig.persistence_s).
 FIRST_DOWN_S = 2.0 * DEFAULT_PERSISTENCE_S
 # TunerConfig.first_down_precision: the mean rate's relative standard error that lets a scale-down
 # come before the longest window has been watched.
@@ -1904,7 +1904,8 @@ def _first_down_due(
     """Whether the tuner has watched long enough to scale down: its longest window, or from
     ``first_down_s`` on once the arrivals it watched tell their mean rate within
     ``first_down_precision`` (n arrivals of burstiness CV^2 give a count whose relative standard
-    error is sqrt(CV^2 / n): at 5%, 400 Poisson arrivals, 3,200 of CV^2 8)."""
+    error is sqrt(CV^2 / n), CV^2 read no lower than a Poisson stream's 1: at 5%, 400 Poisson
+    arrivals, 3,200 of CV^2 8)."""
     if since_start_s >= config.windows_s[-1]:
         return True
     if config.first_down_s is None or since_start_s < config.first_down_s:
