@@ -554,6 +554,13 @@ class Settings(BaseSettings):
         ge=1,
         description="the largest model artifact the registry takes (heteroplane model push), bytes",
     )
+    serving_front_shed: bool = Field(
+        default=True,
+        description="past saturation, refuse a share of an app's inference queries as their"
+        " head is read, before the API's work (429; the share follows admission control's"
+        " refusals: docs/serving.md, Overload at the front); false: every query goes on to"
+        " admission control",
+    )
     http_head_timeout_s: float = Field(
         default=10.0,
         gt=0,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["RecordingTransport"]
+from uvicorn.server import ServerState
+
+__all__ = ["RecordingTransport", "drive"]
 
 
 class RecordingTransport(asyncio.Transport):
@@ -36,3 +38,23 @@ class RecordingTransport(asyncio.Transport):
 
     def resume_reading(self) -> None:
         pass
+
+
+def drive(config: Any, scenario: Any) -> None:
+    """Run ``scenario(protocol, transport)`` on a new event loop against one connection of the
+    HTTP protocol of the ``uvicorn.Config`` ``config``, on a :class:`RecordingTransport`."""
+
+    async def main() -> None:
+        config.load()
+        protocol = config.http_protocol_class(
+            config=config, server_state=ServerState(), app_state={}
+        )
+        transport = RecordingTransport()
+        protocol.connection_made(transport)
+        try:
+            await scenario(protocol, transport)
+        finally:
+            protocol.connection_lost(None)
+            await asyncio.sleep(0)
+
+    asyncio.run(main())

@@ -21,6 +21,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import ApiError, unauthorized
+from controlplane.api.front_door import FrontDoor
 from controlplane.api.limits import mark_authenticated
 from controlplane.apps.resolver import AppResolver
 from controlplane.clock import Clock
@@ -82,6 +83,9 @@ class Services:
     # A loops process running apart: how long its feed from the serving process has failed, s
     # (None while it answers); None where the loops read a serving loop of their own.
     serving_feed_down_s: Callable[[], float | None] | None = None
+    # Inference queries refused as the HTTP protocol reads their head, past saturation
+    # (controlplane.api.front_door); None: every query goes on to admission.
+    front_door: FrontDoor | None = None
 
 
 def get_services(request: Request) -> Services:

@@ -71,6 +71,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.api.counters import RequestCounter
 from controlplane.api.errors import error_document, render_error
+from controlplane.api.front_door import FrontDoor
 from controlplane.api.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES, mark_authenticated
 from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
 from controlplane.api.routes.infer import (
@@ -240,7 +241,15 @@ class FastInferMiddleware:
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
         self.counter: RequestCounter = services.requests
+        self.front_door: FrontDoor | None = getattr(services, "front_door", None)
         self.tokens = TokenCheck(services.store)
+
+    def _count(self, app: str, status: int) -> None:
+        """Count the answer to an inference query of ``app``; the front door's throttle
+        learns admission's verdict from it (:mod:`controlplane.api.front_door`)."""
+        self.counter.add(app, status)
+        if self.front_door is not None:
+            self.front_door.answered(app, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -328,14 +337,14 @@ class FastInferMiddleware:
             payload = orjson.dumps(answer_document(result))
         except OverloadedError as error:  # the handlers' answer, written directly
             await send_overloaded(send, error, oip=False)
-            self.counter.add(app, 429)
+            self._count(app, 429)
             return
         except Exception as error:  # every failure gets the answer the route's handlers give
             response = render_error(Request(scope), error)
-            self.counter.add(app, response.status_code)
+            self._count(app, response.status_code)
             await response(scope, receive, send)
             return
-        self.counter.add(app, 200)
+        self._count(app, 200)
         await send_ok(send, payload, [(b"content-type", b"application/json")])
 
     async def _refused_early(
@@ -349,7 +358,7 @@ class FastInferMiddleware:
             again: bool = self.services.serving.refuse_early(app, received, plain=plain or oip)
         except OverloadedError as error:
             await send_overloaded(send, error, oip=oip)
-            self.counter.add(app, 429)
+            self._count(app, 429)
             return None
         return again
 
@@ -389,14 +398,14 @@ class FastInferMiddleware:
             payload, headers = answer_payload(app, document, answered)
         except OverloadedError as error:  # the route's answer, written directly
             await send_overloaded(send, error, oip=True)
-            self.counter.add(app, 429)
+            self._count(app, 429)
             return
         except Exception as error:  # the answer the route gives it, in the protocol's shape
             response = await error_answer(Request(scope), error)
-            self.counter.add(app, response.status_code)
+            self._count(app, response.status_code)
             await response(scope, receive, send)
             return
-        self.counter.add(app, 200)
+        self._count(app, 200)
         await send_ok(send, payload, headers)
 
 

@@ -241,7 +241,10 @@ def serve_until_stopped(
         access_log=log_level == "debug",
         # httptools (h11 without it) on asyncio, with the settings' bounds on heads, bodies and
         # unauthenticated connections (an oversized head is a 431, not a connection reset).
-        **server_options(ConnectionLimits.from_settings(service.settings)),
+        **server_options(
+            ConnectionLimits.from_settings(service.settings),
+            front=service.app.state.services.front_door,
+        ),
     )
     server = _Server(config, loops, supervised=supervised, on_stop=on_stop)
     # The event loop answers queries; threads (the thread pool's sync routes and dependencies,

@@ -40,6 +40,7 @@ from controlplane.api.errors import (
 from controlplane.api.fast_infer import FastInferMiddleware, TokenCheck
 from controlplane.api.fast_internal import FastInternalMiddleware
 from controlplane.api.forwarding import Forwarder, ForwardingMiddleware
+from controlplane.api.front_door import FrontDoor
 from controlplane.api.head import HeadAsGetMiddleware
 from controlplane.api.limits import BodySizeLimitMiddleware, HeaderSizeLimitMiddleware
 from controlplane.api.routes import (
@@ -67,6 +68,7 @@ from controlplane.registry import Registry, registry_from_settings
 from controlplane.registry.inspection import end_orphaned_inspectors
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.owners import DispatchOwners
+from controlplane.serving.throttle import FrontThrottle
 from controlplane.settings import Settings
 from controlplane.spec import AppSpec
 from provisioners.base import Provisioner
@@ -117,6 +119,12 @@ def create_app(
         if owners is None
         else Forwarder(owners, settings.oip_body_max_bytes, TokenCheck(store))
     )
+    requests = RequestCounter()
+    front_door = (
+        FrontDoor(FrontThrottle(time.monotonic), serving, requests, serving.clock.now_s)
+        if serving is not None and settings.serving_front_shed
+        else None
+    )
     services = Services(
         settings=settings,
         store=store,
@@ -128,7 +136,7 @@ def create_app(
             artifacts=store.get_model_version,
             measured=store.get_app_profiles,
         ),
-        requests=RequestCounter(),
+        requests=requests,
         scheduler=scheduler,
         serving=serving,
         leadership=leadership,
@@ -140,6 +148,7 @@ def create_app(
         gear_table=gear_table,
         forwarder=forwarder,
         serving_feed_down_s=serving_feed_down_s,
+        front_door=front_door,
     )
 
     @asynccontextmanager

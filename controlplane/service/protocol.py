@@ -33,7 +33,9 @@ bounds), is pinned by ``tests/unit/test_dependency_pins.py``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -50,7 +52,9 @@ except ImportError:  # httptools is a dependency; h11 serves where it is missing
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from controlplane.api.errors import error_document
+from controlplane.api.front_door import RETRY_AFTER_S, front_message
 from controlplane.api.limits import CONNECTION_EXTENSION, HEAD_S, MAX_HEAD_READ_BYTES
+from controlplane.api.routes import APP_NAME_MAX, APP_NAME_PATTERN
 from controlplane.settings import Settings
 
 # uvloop where it is installed (a dependency on every platform it builds for): the same
@@ -267,6 +271,49 @@ def _error_answer(
     return b"".join(content)
 
 
+class FrontRefusals(Protocol):
+    """What the protocol asks before an inference request's cycle starts
+    (:class:`controlplane.api.front_door.FrontDoor`)."""
+
+    def refuse(self, app: str) -> bool: ...
+
+
+# The plain inference routes the fast path answers (controlplane.api.fast_infer): an app's
+# name in group 1 (/v1) or 3 (/v2).
+_FRONT_PATH = re.compile(
+    f"/v1/apps/({APP_NAME_PATTERN})/infer|/v2/models/({APP_NAME_PATTERN})/infer".encode()
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _overloaded_body(app: str, oip: bool) -> bytes:
+    return json.dumps(
+        error_document(oip, "overloaded", front_message(app)), separators=(",", ":")
+    ).encode()
+
+
+def _overloaded_answer(
+    app: str, oip: bool, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]
+) -> bytes:
+    """A whole 429 answer to a query refused at the front, with the API's error body (the
+    protocol's own on ``/v2``), as admission's refusals read."""
+    body = _overloaded_body(app, oip)
+    content = [b"HTTP/1.1 429 Too Many Requests\r\n"]
+    for name, value in default_headers:
+        content.extend([name, b": ", value, b"\r\n"])
+    content.extend(
+        [
+            b"content-type: application/json\r\n",
+            b"retry-after: " + str(RETRY_AFTER_S).encode("ascii") + b"\r\n",
+            b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
+            b"" if keep_alive else b"connection: close\r\n",
+            b"\r\n",
+            body,
+        ]
+    )
+    return b"".join(content)
+
+
 if HttpToolsProtocol is not None:
 
     class HeadLimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -291,6 +338,7 @@ if HttpToolsProtocol is not None:
 
         limits = ConnectionLimits()
         guard: ConnectionGuard | None = None
+        front: FrontRefusals | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -302,6 +350,9 @@ if HttpToolsProtocol is not None:
             self._body_timer: asyncio.TimerHandle | None = None
             self._body_bytes = 0
             self._authenticated = False
+            # A request refused at the front (its app's name, /v2, keep-alive) while its body
+            # is read and dropped.
+            self._shed: tuple[str, bool, bool] | None = None
 
         # The connection's life
 
@@ -350,6 +401,8 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             self._in_head = False
             self._cancel_head_timer()
+            if self.front is not None and self._refused_at_front(self.front):
+                return
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.transport is self.transport:
@@ -368,10 +421,15 @@ if HttpToolsProtocol is not None:
                 )
 
         def on_body(self, body: bytes) -> None:
+            if self._shed is not None:
+                return  # a refused query's body: dropped
             self._body_bytes += len(body)
             super().on_body(body)
 
         def on_message_complete(self) -> None:
+            if self._shed is not None:
+                self._answer_shed(self._shed)
+                return
             super().on_message_complete()
             self._cancel_body_timer()
             self._in_head = True
@@ -381,6 +439,55 @@ if HttpToolsProtocol is not None:
             super().on_response_complete()
             if self.guard is not None and not self._authenticated:
                 self.guard.touch(self)
+
+        # The front's refusals (controlplane.api.front_door)
+
+        def _refused_at_front(self, front: FrontRefusals) -> bool:
+            """Whether the request whose head was just read is a plain inference query that
+            the front refuses (then its body is read and dropped, and the 429 written once it
+            has ended, as the cycle would have answered). Never a request that another one on
+            the connection is still being answered before (a pipelined one), nor one whose
+            client waits for a 100 Continue."""
+            url = self.url
+            if not (url.startswith((b"/v1/apps/", b"/v2/models/")) and url.endswith(b"/infer")):
+                return False
+            cycle = self.cycle
+            if (
+                self.expect_100_continue
+                or (cycle is not None and not cycle.response_complete)
+                or self.pipeline
+                or self.parser.get_method() != b"POST"
+            ):
+                return False
+            match = _FRONT_PATH.fullmatch(url)
+            if match is None:
+                return False
+            oip = match.group(1) is None
+            app = (match.group(3) if oip else match.group(1)).decode("ascii")
+            if len(app) > APP_NAME_MAX or not front.refuse(app):
+                return False
+            keep_alive = self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+            self._shed = (app, oip, keep_alive)
+            # The body's deadline: the head's timeout again (a refused query's body that never
+            # ends is answered 408 and closed, as a head that never ends is).
+            self._start_head_timer()
+            return True
+
+        def _answer_shed(self, shed: tuple[str, bool, bool]) -> None:
+            app, oip, keep_alive = shed
+            self._shed = None
+            self._cancel_head_timer()
+            self._in_head = True
+            self._head_bytes = 0
+            if self.transport.is_closing():
+                return
+            self.transport.write(
+                _overloaded_answer(app, oip, keep_alive, self.server_state.default_headers)
+            )
+            if keep_alive:
+                self.on_response_complete()  # the next request, or the keep-alive timeout
+            else:
+                self.transport.close()
 
         # The limits
 
@@ -463,11 +570,14 @@ else:  # pragma: no cover
     HeadLimitedHttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 
-def server_options(limits: ConnectionLimits | None = None) -> dict[str, Any]:
+def server_options(
+    limits: ConnectionLimits | None = None, front: FrontRefusals | None = None
+) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments: the protocol (httptools' with ``limits``, default
     :class:`ConnectionLimits`, and a :class:`ConnectionGuard` of its own; h11's, with the head
     read limit only, where httptools is missing), the head read limit, the keep-alive timeout
-    and asyncio's loop.
+    and asyncio's loop. ``front``: what refuses inference queries as their head is read, past
+    saturation (the service's :class:`~controlplane.api.front_door.FrontDoor`; None: none is).
 
     The keep-alive timeout is uvicorn's 5 s unless set: a client or load balancer that keeps
     an idle connection longer than the server (an ALB keeps its backend connections for its
@@ -482,7 +592,11 @@ def server_options(limits: ConnectionLimits | None = None) -> dict[str, Any]:
         protocol = type(
             "GuardedHttpToolsProtocol",
             (HeadLimitedHttpToolsProtocol,),
-            {"limits": limits, "guard": ConnectionGuard(limits.unauthenticated_max)},
+            {
+                "limits": limits,
+                "guard": ConnectionGuard(limits.unauthenticated_max),
+                "front": front,
+            },
         )
     return {
         "http": protocol,

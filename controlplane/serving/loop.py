@@ -356,6 +356,16 @@ class ServingLoop:
             return False
         return dispatcher.refuse_early(received_s, plain=plain)
 
+    def refused_at_front(self, app: str, received_s: float | None = None) -> bool:
+        """Record a query of ``app`` that the API's front refused (:meth:`AppDispatcher.
+        refused_at_front`); False, nothing recorded, where the query must go on to be judged
+        here: no dispatcher made for the app, a rollout moving its traffic (as
+        :meth:`refuse_early`)."""
+        dispatcher = self._dispatchers.get(app)
+        if dispatcher is None or (self.routes is not None and self.routes(app) is not None):
+            return False
+        return dispatcher.refused_at_front(received_s)
+
     async def infer_on_spec_version(
         self,
         app: str,

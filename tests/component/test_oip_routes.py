@@ -623,7 +623,10 @@ def live_server(world: ApiWorld, types: Sequence[str]) -> Iterator[tuple[list[Fa
     # heteroplane serve's socket (TCP_NODELAY: no delayed-ACK stalls) and HTTP protocol.
     sock = listen("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    config = uvicorn.Config(world.app, log_level="warning", lifespan="on", **server_options())
+    front = world.app.state.services.front_door
+    config = uvicorn.Config(
+        world.app, log_level="warning", lifespan="on", **server_options(front=front)
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

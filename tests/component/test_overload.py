@@ -321,6 +321,29 @@ def test_a_query_one_sample_of_which_would_be_refused_is_refused_before_its_size
     run(scenario())
 
 
+def test_a_query_refused_at_the_front_is_recorded_as_admissions_refusals_are() -> None:
+    """The API's front door refuses past saturation before admission sees the query
+    (controlplane.api.front_door): the dispatcher records it as an arrival and a refusal, so
+    the tuner reads the whole demand; with admission off, nothing is refused there."""
+
+    async def scenario() -> None:
+        for admission in (True, False):
+            worker, dispatcher, first = await held_worker(admission=admission)
+            before = dispatcher.observations.totals()["demo"]
+            assert dispatcher.refused_at_front(received_s=time.monotonic()) is admission
+            after = dispatcher.observations.totals()["demo"]
+            assert (after.arrived - before.arrived, after.refused - before.refused) == (
+                (1, 1) if admission else (0, 0)
+            )
+            worker.release()
+            await settle([first])
+            await dispatcher.close()
+            assert dispatcher.refused_at_front() is False  # closed
+            await worker.stop()
+
+    run(scenario())
+
+
 # --- the API's middleware --------------------------------------------------------------------
 
 
@@ -512,6 +535,55 @@ def test_past_admission_a_query_is_refused_before_its_body_is_read(
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "overloaded"
     assert worker.received == 1  # the held query only
+
+
+def test_past_saturation_the_front_refuses_before_the_api_and_every_query_is_counted(
+    served: tuple[ApiWorld, FakeWorker, str],
+) -> None:
+    """With the worker held and the queue full, admission refuses every query; the front door
+    then refuses most of the next ones as their head is read (its own message), and the serving
+    loop counts every query sent, whoever refused it, as an arrival and a refusal."""
+    world, worker, url = served
+    headers = {"Authorization": f"Bearer {world.tokens['infer']}"}
+    v1 = f"{url}/v1/apps/demo/infer"
+    world.serving.settings = dataclasses.replace(
+        world.serving.settings,
+        dispatcher=DispatcherSettings(
+            call_timeout_floor_s=60.0, idle_probe_s=None, admission=True, max_queued_samples=1
+        ),
+    )
+    query = {"inputs": [row(1, 0.9)]}
+    with httpx.Client(trust_env=False, timeout=30.0) as client:
+        assert client.post(v1, json=query, headers=headers).status_code == 200  # answered
+        worker.hang = True
+        held = [
+            threading.Thread(
+                target=lambda: httpx.post(
+                    v1, json=query, headers=headers, timeout=30.0, trust_env=False
+                ),
+                daemon=True,
+            )
+            for _ in range(2)
+        ]
+        deadline = time.monotonic() + 20.0
+        for n, thread in enumerate(held, 1):
+            thread.start()
+            while _serving(url, world)["stages"][0]["queued_queries"] + worker.received < n + 1:
+                assert time.monotonic() < deadline, "the held queries never reached the service"
+                time.sleep(0.02)
+        before = world.serving.observations.totals()["demo"]
+        by = {"admission": 0, "front": 0}
+        sent = 0
+        while by["front"] == 0 and sent < 200:
+            answer = client.post(v1, json=query, headers=headers)
+            sent += 1
+            assert answer.status_code == 429, answer.text
+            message = answer.json()["error"]["message"]
+            by["front" if "refused on arrival" in message else "admission"] += 1
+        assert by["front"] == 1 and by["admission"] >= 1, by
+        after = world.serving.observations.totals()["demo"]
+        assert (after.arrived - before.arrived, after.refused - before.refused) == (sent, sent)
+    assert worker.received == 2  # the answered query and the one held
 
 
 def test_a_model_less_query_whose_variant_is_backlogged_goes_to_its_queue_not_a_422() -> None:

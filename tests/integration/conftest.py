@@ -350,7 +350,10 @@ class ApiServer:
         # server was closing at that moment, and failed).
         limits = ConnectionLimits.from_settings(service.settings)
         config = uvicorn.Config(
-            service.app, log_level="warning", lifespan="on", **server_options(limits)
+            service.app,
+            log_level="warning",
+            lifespan="on",
+            **server_options(limits, front=service.app.state.services.front_door),
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

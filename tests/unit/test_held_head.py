@@ -9,30 +9,15 @@ import asyncio
 from typing import Any
 
 import uvicorn
-from uvicorn.server import ServerState
 
 from controlplane.service.protocol import HeldHeadTransport, server_options
-from tests.recording_transport import RecordingTransport
+from tests.recording_transport import RecordingTransport, drive
 
 REQUEST = b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n"
 
 
 def _serve(app: Any, scenario: Any) -> None:
-    async def main() -> None:
-        config = uvicorn.Config(app, **server_options())
-        config.load()
-        protocol = config.http_protocol_class(  # type: ignore[call-arg]
-            config=config, server_state=ServerState(), app_state={}
-        )
-        transport = RecordingTransport()
-        protocol.connection_made(transport)
-        try:
-            await scenario(protocol, transport)
-        finally:
-            protocol.connection_lost(None)
-            await asyncio.sleep(0)
-
-    asyncio.run(main())
+    drive(uvicorn.Config(app, **server_options()), scenario)
 
 
 async def _turns(n: int = 5) -> None:
