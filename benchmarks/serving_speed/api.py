@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.serving_speed api [--json] [--rate-qps 2000] [--duration-s 10]
         [--workers 2] [--runs 3] [--protocols v1,v2] [--service-setting HETEROPLANE_X=V ...]
+        [--floor forward,answer]
 
 What runs: ``heteroplane serve`` (uvicorn, FastAPI, the token check, validation, the serving
 loop's dispatcher, its HTTP transport) with the local provisioner, an app whose model ``tiny``
@@ -35,13 +36,17 @@ every loop at its default period; before the first run the benchmark waits until
 processes (the serving one and those it started, the worker agents aside) use under a tenth of a
 core over 2 s (:func:`settle`, at most 120 s): the loops process plans and builds the tuner's
 sizing ladder once a plan is applied, about 6 s of a core that used to fall on each set's first
-run. Goal (issue 30): >= 2,000 q/s at <= 3 ms added P99 on this
+run. ``--floor``: after each run, the same trace through floor fronts on the same worker agents
+(:mod:`benchmarks.serving_speed.floor`: ``answer`` answers at once, ``forward`` makes one worker
+call a query with nothing else), the same figures under ``floor``: what the machine allows in
+the same minutes. Goal (issue 30): >= 2,000 q/s at <= 3 ms added P99 on this
 machine, on ``/v1`` and ``/v2`` alike (the median of the runs; issue 13 had 10 ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +63,7 @@ import httpx
 import numpy as np
 
 from benchmarks import local_service
+from benchmarks.serving_speed.floor import MODES as FLOOR_MODES
 from controlplane.clients import loadgen
 from controlplane.provisioning import LOCAL_PROFILE_FILE, LOCAL_WORKERS_DIR
 from controlplane.serving.modelio import ModelIO
@@ -274,6 +280,58 @@ def median_spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def summarise_runs(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure of ``runs`` (``FIGURES`` and the "outside" p99) as its median and spread."""
+    summary: dict[str, Any] = {}
+    for key in (*FIGURES, "outside_p99_ms"):
+        values = [float(r[key]) for r in runs if r[key] is not None]
+        summary[key] = median_spread(values) if values else None
+    return summary
+
+
+@contextlib.contextmanager
+def floors(
+    api: httpx.Client, records: Sequence[Any], modes: Sequence[str], root: Path, env: dict[str, str]
+) -> Iterator[dict[str, tuple[str, int]]]:
+    """The floor fronts of ``modes`` (:mod:`benchmarks.serving_speed.floor`), each a process of
+    its own on the service's worker agents ``records``, answering the app's documents as the
+    service does: mode -> (base URL, pid), stopped on the way out."""
+    documents = {path: api.get(path).json() for path in (f"/v1/apps/{APP}", f"/v2/models/{APP}")}
+    documents_path = root / "floor-documents.json"
+    documents_path.write_text(json.dumps(documents), encoding="utf-8")
+    addresses = ",".join(record.address for record in records)
+    processes: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}
+    try:
+        for mode in modes:
+            port = local_service.free_port()
+            log_path = root / f"floor-{mode}.log"
+            with log_path.open("wb") as log:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.serving_speed.floor", "--port", str(port),
+                     "--workers", addresses, "--documents", str(documents_path), "--mode", mode],
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            base = f"http://127.0.0.1:{port}"
+            processes[mode] = (base, process)
+            url = f"{base}/v1/apps/{APP}"
+            local_service.wait_for(
+                f"the floor ({mode})",
+                lambda url=url: httpx.get(url, timeout=1.0, trust_env=False).status_code == 200,
+                process,
+                log_path,
+            )
+        yield {mode: (base, process.pid) for mode, (base, process) in processes.items()}
+    finally:
+        for _, process in processes.values():
+            process.terminate()
+        for _, process in processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 def measure(
     rate_qps: float,
     duration_s: float,
@@ -281,6 +339,7 @@ def measure(
     n_runs: int,
     service_settings: dict[str, str] | None = None,
     protocol: str = "v1",
+    floor_modes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Start the service and ``workers`` worker agents, run the load ``n_runs`` times over
     ``protocol`` (``v1`` or ``v2``), return the figures (per run, and the median with the spread
@@ -362,11 +421,23 @@ def measure(
             local_service.log(f"the service quiet after {settled_s:.0f} s")
             env = local_service.clean_env()
             runs = []
-            for n in range(args.runs):
-                run = one_run(args, n, base, token, process.pid, workers, root, env)
-                run["p99_added_ms"] = None if run["p99_ms"] is None else run["p99_ms"] - direct
-                runs.append(run)
-                local_service.log(json.dumps(run))
+            floor_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in floor_modes}
+            with floors(api, records, floor_modes, root, env) as fronts:
+                for n in range(args.runs):
+                    run = one_run(args, n, base, token, process.pid, workers, root, env)
+                    run["p99_added_ms"] = None if run["p99_ms"] is None else run["p99_ms"] - direct
+                    runs.append(run)
+                    local_service.log(json.dumps(run))
+                    # The same trace (the run's seed) through each floor, straight after.
+                    for mode, (floor_base, floor_pid) in fronts.items():
+                        floor_run = one_run(
+                            args, n, floor_base, token, floor_pid, workers, root, env
+                        )
+                        floor_run["p99_added_ms"] = (
+                            None if floor_run["p99_ms"] is None else floor_run["p99_ms"] - direct
+                        )
+                        floor_runs[mode].append(floor_run)
+                        local_service.log(f"floor {mode}: {json.dumps(floor_run)}")
             stores = calibration_stores(api, log_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -383,9 +454,10 @@ def measure(
         "loadavg_before": load_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
-    for key in (*FIGURES, "outside_p99_ms"):
-        values = [float(r[key]) for r in runs if r[key] is not None]
-        result[key] = median_spread(values) if values else None
+    result.update(summarise_runs(runs))
+    result["floor"] = {mode: summarise_runs(floor_runs[mode]) for mode in floor_modes}
+    for mode in floor_modes:
+        result["floor"][mode]["runs"] = floor_runs[mode]
     lag = [float(r["send_lag_p99_ms"]) for r in runs if r["send_lag_p99_ms"] is not None]
     result["send_lag_p99_ms"] = median_spread(lag) if lag else None
     result["loadgen_kept_up"] = bool(lag) and statistics.median(lag) <= LAG_LIMIT_MS
@@ -415,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="HETEROPLANE_X=V",
         help="one more setting for the service (repeatable), e.g. HETEROPLANE_RECONCILE_S=1",
     )
+    parser.add_argument(
+        "--floor",
+        default="",
+        metavar="MODE[,MODE]",
+        help="after each run, the same trace through the floor front of each MODE (forward,"
+        " answer; benchmarks/serving_speed/floor.py) on the same workers (default: none)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if not (args.rate_qps > 0 and args.duration_s > 0 and args.workers >= 1 and args.runs >= 1):
@@ -422,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     protocols = [part.strip() for part in args.protocols.split(",") if part.strip()]
     if not protocols or any(p not in PROTOCOLS for p in protocols):
         parser.error(f"--protocols: one or more of {', '.join(PROTOCOLS)}, got {args.protocols!r}")
+    floor_modes = [part.strip() for part in args.floor.split(",") if part.strip()]
+    if any(mode not in FLOOR_MODES for mode in floor_modes):
+        parser.error(f"--floor: one or more of {', '.join(FLOOR_MODES)}, got {args.floor!r}")
     settings = {}
     for item in args.service_setting:
         key, sep, value = item.partition("=")
@@ -430,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         settings[key] = value
     results = {
         protocol: measure(
-            args.rate_qps, args.duration_s, args.workers, args.runs, settings, protocol
+            args.rate_qps, args.duration_s, args.workers, args.runs, settings, protocol, floor_modes
         )
         for protocol in protocols
     }
@@ -444,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
             v = result[key]
             if v is not None:
                 print(f"{key:>18}: {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})")
+        for mode, floor in result["floor"].items():
+            for key in ("p99_ms", "p99_added_ms", "cpu_ms_per_query", "outside_p99_ms"):
+                v = floor[key]
+                if v is not None:
+                    label = f"floor {mode} {key}"
+                    print(f"{label:>18}: {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})")
         stores = ", ".join(f"{k} {v}" for k, v in result["calibration_stores"].items())
         print(f"{'calibration':>18}: {stores} (over the service's life)")
         loads = ", ".join(f"{r['loadavg_before'][0]:.2f}" for r in result["runs"])
