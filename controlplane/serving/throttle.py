@@ -12,8 +12,12 @@ rate fell to a fifth to a half of that capacity (docs/serving.md, "Overload at t
 inference query is refused there, with a 429 written straight to the socket (no request
 cycle, no task, no app): Google's adaptive throttling ("Handling Overload", *Site Reliability
 Engineering*, 2016), moved from the client to the server's front. Per app it keeps, decayed
-over :data:`WINDOW_S`, the queries that reached the front (``requests``, those it refused
-counted) and those admission admitted (``accepts``), and refuses a new one with probability
+over :data:`WINDOW_S`, the queries that reached the front (``requests``: those it refused, and
+those it let through once admission's verdict on them is known, so that queries still in
+flight, counted at the front but not yet admitted, do not read as refused: the answers lag the
+arrivals by their latency, and at a mild overload that lag alone had the front refuse a few
+percent more than admission did without it) and those admission admitted (``accepts``), and
+refuses a new one with probability
 
     max(0, (requests - K x accepts) / (requests + 1))
 
@@ -109,8 +113,12 @@ class FrontThrottle:
             return False  # never answered here: nothing known of its admission
         counts.decay(self.clock_s(), self.window_s)
         share = self._share(counts)
-        counts.requests += 1.0
-        return share > 0.0 and self.rng.random() < share
+        if share > 0.0 and self.rng.random() < share:
+            counts.requests += 1.0
+            return True
+        # Let through: counted once admission's verdict is known (answered), with it, so that
+        # the queries still in flight do not read as refused.
+        return False
 
     def answered(self, app: str, admitted: bool) -> None:
         """Admission's verdict on a query of ``app`` the front let through: admitted (whatever
@@ -123,6 +131,7 @@ class FrontThrottle:
             counts = self._apps[app] = _Counts(now)
         else:
             counts.decay(now, self.window_s)
+        counts.requests += 1.0
         if admitted:
             counts.accepts += 1.0
         else:
