@@ -33,7 +33,6 @@ bounds), is pinned by ``tests/unit/test_dependency_pins.py``.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 import time
@@ -247,28 +246,42 @@ class HeldHeadTransport:
         self._transport.close()
 
 
-def _error_answer(
-    status: int, url: bytes, code: str, message: str, default_headers: list[tuple[bytes, bytes]]
+def _json_answer(
+    status: int,
+    document: object,
+    default_headers: list[tuple[bytes, bytes]],
+    *,
+    headers: tuple[bytes, ...] = (),
+    close: bool = True,
 ) -> bytes:
-    """A whole ``connection: close`` answer with the API's error body (the protocol's own on
-    ``/v2``, :func:`controlplane.api.limits.error_document`)."""
-    body = json.dumps(
-        error_document(url.startswith(b"/v2/") or url == b"/v2", code, message),
-        separators=(",", ":"),
-    ).encode()
+    """A whole answer of ``status`` with the JSON ``document`` as its body, the server's
+    ``default_headers`` and ``headers`` (whole ``name: value`` lines, without their line end);
+    with ``close``, ``connection: close``."""
+    body = json.dumps(document, separators=(",", ":")).encode()
     content = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
     for name, value in default_headers:
         content.extend([name, b": ", value, b"\r\n"])
+    for line in headers:
+        content.extend([line, b"\r\n"])
     content.extend(
         [
             b"content-type: application/json\r\n",
             b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-            b"connection: close\r\n",
+            b"connection: close\r\n" if close else b"",
             b"\r\n",
             body,
         ]
     )
     return b"".join(content)
+
+
+def _error_answer(
+    status: int, url: bytes, code: str, message: str, default_headers: list[tuple[bytes, bytes]]
+) -> bytes:
+    """A whole ``connection: close`` answer with the API's error body (the protocol's own on
+    ``/v2``, :func:`controlplane.api.limits.error_document`)."""
+    oip = url.startswith(b"/v2/") or url == b"/v2"
+    return _json_answer(status, error_document(oip, code, message), default_headers)
 
 
 class FrontRefusals(Protocol):
@@ -285,33 +298,18 @@ _FRONT_PATH = re.compile(
 )
 
 
-@functools.lru_cache(maxsize=1024)
-def _overloaded_body(app: str, oip: bool) -> bytes:
-    return json.dumps(
-        error_document(oip, "overloaded", front_message(app)), separators=(",", ":")
-    ).encode()
-
-
 def _overloaded_answer(
     app: str, oip: bool, keep_alive: bool, default_headers: list[tuple[bytes, bytes]]
 ) -> bytes:
     """A whole 429 answer to a query refused at the front, with the API's error body (the
     protocol's own on ``/v2``), as admission's refusals read."""
-    body = _overloaded_body(app, oip)
-    content = [b"HTTP/1.1 429 Too Many Requests\r\n"]
-    for name, value in default_headers:
-        content.extend([name, b": ", value, b"\r\n"])
-    content.extend(
-        [
-            b"content-type: application/json\r\n",
-            b"retry-after: " + str(RETRY_AFTER_S).encode("ascii") + b"\r\n",
-            b"content-length: " + str(len(body)).encode("ascii") + b"\r\n",
-            b"" if keep_alive else b"connection: close\r\n",
-            b"\r\n",
-            body,
-        ]
+    return _json_answer(
+        429,
+        error_document(oip, "overloaded", front_message(app)),
+        default_headers,
+        headers=(b"retry-after: " + str(RETRY_AFTER_S).encode("ascii"),),
+        close=not keep_alive,
     )
-    return b"".join(content)
 
 
 if HttpToolsProtocol is not None:
