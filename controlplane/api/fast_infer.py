@@ -241,7 +241,7 @@ class FastInferMiddleware:
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
         self.counter: RequestCounter = services.requests
-        self.front_door: FrontDoor | None = getattr(services, "front_door", None)
+        self.front_door: FrontDoor | None = services.front_door
         self.tokens = TokenCheck(services.store)
 
     def _count(self, app: str, status: int) -> None:

@@ -18,8 +18,6 @@ the app is overloaded; the app's name is the request's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from controlplane.api.counters import RequestCounter
 from controlplane.serving.loop import ServingLoop
 from controlplane.serving.throttle import FrontThrottle
@@ -47,19 +45,17 @@ class FrontDoor:
         throttle: FrontThrottle,
         serving: ServingLoop,
         counter: RequestCounter,
-        clock_s: Callable[[], float],
     ) -> None:
         self.throttle = throttle
         self.serving = serving
         self.counter = counter
-        self.clock_s = clock_s
 
     def refuse(self, app: str) -> bool:
         """Whether the query of ``app`` whose head was just read is refused at the front (then
         recorded and counted here; the caller answers the 429)."""
         if not self.throttle.refuse(app):
             return False
-        if not self.serving.refused_at_front(app, self.clock_s()):
+        if not self.serving.refused_at_front(app):
             return False
         self.counter.add(app, 429)
         return True

@@ -121,7 +121,7 @@ def create_app(
     )
     requests = RequestCounter()
     front_door = (
-        FrontDoor(FrontThrottle(time.monotonic), serving, requests, serving.clock.now_s)
+        FrontDoor(FrontThrottle(time.monotonic), serving, requests)
         if serving is not None and settings.serving_front_shed
         else None
     )

@@ -652,22 +652,17 @@ class AppDispatcher:
             self._ended_at_entry(error, now, now if received_s is None else min(received_s, now))
             raise
 
-    def refused_at_front(self, received_s: float | None = None) -> bool:
-        """Record a query the API's front refused before it reached admission
-        (:mod:`controlplane.serving.throttle`) as admission records its refusals: an arrival and
-        a refused query (the tuner reads the whole demand, the attainment counts the miss).
-        False, nothing recorded, where admission is off or the dispatcher closed: the query is
-        not to be refused there."""
+    def refused_at_front(self) -> bool:
+        """Record a query the API's front refused as its head was read, before it reached
+        admission (:mod:`controlplane.serving.throttle`), as admission records its refusals: an
+        arrival and a refused query, at once (the tuner reads the whole demand, the attainment
+        counts the miss). False, nothing recorded, where admission is off or the dispatcher
+        closed: the query is not to be refused there."""
         if self._closed or not self.settings.admission:
             return False
         now = self.clock_s()
         self.observations.arrival(self.app, now)
-        self.observations.ended_in_error(
-            self.app,
-            now,
-            Outcome.REFUSED,
-            (now - (now if received_s is None else min(received_s, now))) * 1000.0,
-        )
+        self.observations.ended_in_error(self.app, now, Outcome.REFUSED, 0.0)
         return True
 
     def _a_variant_admits(self, gear: ServingGear, now: float) -> bool:

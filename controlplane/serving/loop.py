@@ -356,7 +356,7 @@ class ServingLoop:
             return False
         return dispatcher.refuse_early(received_s, plain=plain)
 
-    def refused_at_front(self, app: str, received_s: float | None = None) -> bool:
+    def refused_at_front(self, app: str) -> bool:
         """Record a query of ``app`` that the API's front refused (:meth:`AppDispatcher.
         refused_at_front`); False, nothing recorded, where the query must go on to be judged
         here: no dispatcher made for the app, a rollout moving its traffic (as
@@ -364,7 +364,7 @@ class ServingLoop:
         dispatcher = self._dispatchers.get(app)
         if dispatcher is None or (self.routes is not None and self.routes(app) is not None):
             return False
-        return dispatcher.refused_at_front(received_s)
+        return dispatcher.refused_at_front()
 
     async def infer_on_spec_version(
         self,

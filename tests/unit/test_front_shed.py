@@ -145,7 +145,7 @@ class Serving:
         self.dispatches = dispatches
         self.refused: list[str] = []
 
-    def refused_at_front(self, app: str, received_s: float | None = None) -> bool:
+    def refused_at_front(self, app: str) -> bool:
         if self.dispatches:
             self.refused.append(app)
         return self.dispatches
@@ -160,7 +160,7 @@ def test_the_front_door_refuses_only_what_the_serving_loop_records() -> None:
     for dispatches, refused in ((True, True), (False, False)):
         counter = RequestCounter()
         serving = Serving(dispatches)
-        door = FrontDoor(throttle, serving, counter, lambda: now[0])  # type: ignore[arg-type]
+        door = FrontDoor(throttle, serving, counter)  # type: ignore[arg-type]
         answers = [door.refuse("hot") for _ in range(20)]
         assert any(answers) is refused
         assert serving.refused == ["hot"] * sum(answers)
