@@ -107,17 +107,14 @@ class FrontThrottle:
         return max(0.0, (counts.requests - self.k * counts.accepts) / (counts.requests + 1.0))
 
     def refuse(self, app: str) -> bool:
-        """Count a query of ``app`` arriving at the front; whether the front refuses it."""
-        counts = self._apps.get(app)
-        if counts is None:
-            return False  # never answered here: nothing known of its admission
-        counts.decay(self.clock_s(), self.window_s)
-        share = self._share(counts)
+        """Whether the front refuses a query of ``app`` arriving now (never for an app it has
+        not seen answered). A refused query is counted here; one let through is counted once
+        admission's verdict on it is known (:meth:`answered`), so that the queries still in
+        flight do not read as refused."""
+        share = self.share(app)
         if share > 0.0 and self.rng.random() < share:
-            counts.requests += 1.0
+            self._apps[app].requests += 1.0
             return True
-        # Let through: counted once admission's verdict is known (answered), with it, so that
-        # the queries still in flight do not read as refused.
         return False
 
     def answered(self, app: str, admitted: bool) -> None:
