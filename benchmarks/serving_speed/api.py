@@ -169,7 +169,10 @@ def one_run(
     worker_pids_: list[int],
     root: Path,
     env: dict[str, str],
+    direct_ms: float,
 ) -> dict[str, Any]:
+    """Run ``n``'s trace against ``base``: its figures, ``p99_added_ms`` over ``direct_ms``
+    (a worker's p99 timed straight)."""
     arrivals = poisson_arrivals(args.rate_qps, args.duration_s, np.random.default_rng(n + 1))
     trace_path = root / f"trace-{n}.csv"
     trace_path.write_text(
@@ -205,6 +208,7 @@ def one_run(
         ),
         "p50_ms": summary.get("p50_ms"),
         "p99_ms": summary.get("p99_ms"),
+        "p99_added_ms": None if summary.get("p99_ms") is None else summary["p99_ms"] - direct_ms,
         "cpu_ms_per_query": 1000.0 * used / max(1, answered),
         "worker_cpu_ms_per_query": 1000.0 * workers_used / max(1, answered),
         "loops_cpu_share": loops_used / wall_s if wall_s > 0 else 0.0,
@@ -424,17 +428,13 @@ def measure(
             floor_runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in floor_modes}
             with floors(api, records, floor_modes, root, env) as fronts:
                 for n in range(args.runs):
-                    run = one_run(args, n, base, token, process.pid, workers, root, env)
-                    run["p99_added_ms"] = None if run["p99_ms"] is None else run["p99_ms"] - direct
+                    run = one_run(args, n, base, token, process.pid, workers, root, env, direct)
                     runs.append(run)
                     local_service.log(json.dumps(run))
                     # The same trace (the run's seed) through each floor, straight after.
                     for mode, (floor_base, floor_pid) in fronts.items():
                         floor_run = one_run(
-                            args, n, floor_base, token, floor_pid, workers, root, env
-                        )
-                        floor_run["p99_added_ms"] = (
-                            None if floor_run["p99_ms"] is None else floor_run["p99_ms"] - direct
+                            args, n, floor_base, token, floor_pid, workers, root, env, direct
                         )
                         floor_runs[mode].append(floor_run)
                         local_service.log(f"floor {mode}: {json.dumps(floor_run)}")
@@ -455,9 +455,10 @@ def measure(
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
     result.update(summarise_runs(runs))
-    result["floor"] = {mode: summarise_runs(floor_runs[mode]) for mode in floor_modes}
-    for mode in floor_modes:
-        result["floor"][mode]["runs"] = floor_runs[mode]
+    result["floor"] = {
+        mode: {**summarise_runs(mode_runs), "runs": mode_runs}
+        for mode, mode_runs in floor_runs.items()
+    }
     lag = [float(r["send_lag_p99_ms"]) for r in runs if r["send_lag_p99_ms"] is not None]
     result["send_lag_p99_ms"] = median_spread(lag) if lag else None
     result["loadgen_kept_up"] = bool(lag) and statistics.median(lag) <= LAG_LIMIT_MS
